@@ -1,0 +1,154 @@
+"""Building blocks shared by the target model and the draft: norms, RoPE, projections, MLP.
+
+Modules hold parameters only; every parameter carries logical axis names in its `axes`
+metadata (see `dspark_jax.sharding`). Shapes are spelled in names: `x_BxTxH` is a batch
+of `T` positions of width `H`; `N`/`K` are query/key-value heads, `D` the head width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Dtype = jnp.dtype | type
+
+
+def rms_norm(x: jax.Array, eps: float, scale: jax.Array | None = None) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32, returned in `x.dtype`."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Dtype, std: float = 0.02) -> jax.Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm with a learned scale (initialised to one)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype: Dtype = jnp.float32):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.eps, self.scale.get_value())
+
+
+def apply_rope(x_BxTxNxD: jax.Array, positions_BxT: jax.Array, inv_freq_F: jax.Array) -> jax.Array:
+    """Rotary embedding in the Hugging Face (rotate-half) layout, computed in float32."""
+    angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_F.astype(jnp.float32)
+    cos = jnp.cos(angles_BxTxF)[..., None, :]
+    sin = jnp.sin(angles_BxTxF)[..., None, :]
+    x = x_BxTxNxD.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxD.dtype)
+
+
+class Linear(nnx.Module):
+    """A bias-optional dense layer `[in...] -> [out...]` with named axes on its kernel."""
+
+    def __init__(
+        self,
+        in_shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+        axes: tuple[str | None, ...],
+        *,
+        use_bias: bool = False,
+        rngs: nnx.Rngs,
+        param_dtype: Dtype = jnp.float32,
+        dtype: Dtype = jnp.float32,
+        zero_init: bool = False,
+    ):
+        self.n_in = len(in_shape)
+        self.dtype = dtype
+        shape = (*in_shape, *out_shape)
+        value = jnp.zeros(shape, param_dtype) if zero_init else normal_init(rngs, shape, param_dtype)
+        self.kernel = nnx.Param(value, axes=axes)
+        self.bias = (
+            nnx.Param(jnp.zeros(out_shape, param_dtype), axes=axes[self.n_in :]) if use_bias else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel.get_value().astype(self.dtype)
+        contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (contract, ((), ())))
+        if self.bias is not None:
+            y = y + self.bias.get_value().astype(self.dtype)
+        return y
+
+
+class AttentionProjections(nnx.Module):
+    """Q/K/V/O projections of a GQA layer with optional biases and per-head q/k RMSNorm."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        eps: float,
+        use_bias: bool,
+        qk_norm: bool,
+        rngs: nnx.Rngs,
+        param_dtype: Dtype = jnp.float32,
+        dtype: Dtype = jnp.float32,
+    ):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.q = Linear((hidden,), (num_heads, head_dim), ("embed", "heads", "head_dim"), use_bias=use_bias, **kw)
+        self.k = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=use_bias,
+                        **kw)
+        self.v = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=use_bias,
+                        **kw)
+        self.o = Linear((num_heads, head_dim), (hidden,), ("heads", "head_dim", "embed"), **kw)
+        self.q_norm = RMSNorm(head_dim, eps, param_dtype=param_dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, param_dtype=param_dtype) if qk_norm else None
+
+    def queries(self, x_BxTxH: jax.Array) -> jax.Array:
+        q_BxTxNxD = self.q(x_BxTxH)
+        return self.q_norm(q_BxTxNxD) if self.q_norm is not None else q_BxTxNxD
+
+    def keys_values(self, x_BxTxH: jax.Array) -> tuple[jax.Array, jax.Array]:
+        k_BxTxKxD = self.k(x_BxTxH)
+        if self.k_norm is not None:
+            k_BxTxKxD = self.k_norm(k_BxTxKxD)
+        return k_BxTxKxD, self.v(x_BxTxH)
+
+
+def gqa_attention(
+    q_BxTxNxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, visible_BxTxS: jax.Array
+) -> jax.Array:
+    """Dense grouped-query attention with a boolean visibility mask; softmax in float32.
+
+    A query with no visible key returns zeros instead of NaN.
+    """
+    b, t, n, d = q_BxTxNxD.shape
+    k = k_BxSxKxD.shape[2]
+    q_BxTxKxGxD = q_BxTxNxD.reshape(b, t, k, n // k, d)
+    logits_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
+                                  preferred_element_type=jnp.float32) * (d**-0.5)
+    mask = visible_BxTxS[:, None, None]
+    logits_BxKxGxTxS = jnp.where(mask, logits_BxKxGxTxS, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits_BxKxGxTxS, axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BxSxKxD.dtype)
+    out_BxTxKxGxD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
+    return out_BxTxKxGxD.reshape(b, t, n, d)
+
+
+class SwiGLU(nnx.Module):
+    """`down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, param_dtype: Dtype = jnp.float32,
+                 dtype: Dtype = jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.gate = Linear((hidden,), (intermediate,), ("embed", "mlp"), **kw)
+        self.up = Linear((hidden,), (intermediate,), ("embed", "mlp"), **kw)
+        self.down = Linear((intermediate,), (hidden,), ("mlp", "embed"), **kw)
+
+    def __call__(self, x_BxTxH: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x_BxTxH)) * self.up(x_BxTxH))

@@ -1,0 +1,115 @@
+"""All sharding decisions: the mesh, the logical-axis rules table, and placing state on it.
+
+Parameters carry logical axis names in their `axes` metadata (e.g. `('embed', 'mlp')`).
+A rules table maps each logical name to mesh axes of the `('data', 'fsdp', 'tensor')`
+mesh. A dimension that the mapped mesh axes do not divide evenly stays replicated, so the
+same model runs on 1 CPU, 8 fake CPU devices, a GPU or a TPU slice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. Parameters: 'embed' is FSDP-sharded, head/MLP/vocab axes
+# tensor-parallel. Activations: 'batch' spans the data-parallel axes.
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    ("seq", None),
+    ("layers", None),
+    ("aux", None),
+    ("rank", None),
+)
+
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds the `('data', 'fsdp', 'tensor')` mesh.
+
+    `shape` gives the size of each axis; one size may be -1 to take the remaining devices.
+    By default every device goes to 'fsdp'.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = dict(shape or {"data": 1, "fsdp": -1, "tensor": 1})
+    unknown = set(shape) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; the mesh axes are {MESH_AXES}")
+    sizes = [int(shape.get(name, 1)) for name in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got {shape}")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"mesh {shape} does not divide {len(devices)} devices")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+                         f"have {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def logical_to_spec(
+    axes: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh, rules: Rules = DEFAULT_RULES
+) -> PartitionSpec:
+    """PartitionSpec for one array from its logical axes, skipping mesh axes that don't divide it.
+
+    Each mesh axis is used at most once per array (first logical axis wins).
+    """
+    if axes is None:
+        return PartitionSpec()
+    if len(axes) != len(shape):
+        raise ValueError(f"logical axes {tuple(axes)} do not match array shape {tuple(shape)}")
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(axes, shape):
+        if name is not None and name not in table:
+            raise KeyError(f"logical axis {name!r} has no entry in the sharding rules {sorted(table)}")
+        target = table.get(name) if name is not None else None
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        chosen = []
+        for mesh_axis in mesh_axes:
+            size = mesh.shape[mesh_axis]
+            if mesh_axis in used or size == 1:
+                continue
+            if dim % (math.prod(mesh.shape[a] for a in chosen) * size):
+                continue
+            chosen.append(mesh_axis)
+        used.update(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return PartitionSpec(*spec)
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
+    """NamedSharding for every variable of an NNX state, from its `axes` metadata."""
+
+    def one(variable: nnx.Variable):
+        axes = variable.get_metadata().get("axes")
+        return NamedSharding(mesh, logical_to_spec(axes, variable.get_value().shape, mesh, rules))
+
+    return jax.tree.map(one, state, is_leaf=_is_variable)
+
+
+def shard_batch(x: jax.Array | np.ndarray, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> jax.Array:
+    """Places a batch-major array on the mesh: leading dim over the 'batch' mesh axes when they divide it."""
+    spec = logical_to_spec(("batch",) + (None,) * (np.ndim(x) - 1), np.shape(x), mesh, rules)
+    return jax.device_put(x, NamedSharding(mesh, spec))

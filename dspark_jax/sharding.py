@@ -42,7 +42,8 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Devi
     """Builds the `('data', 'fsdp', 'tensor')` mesh.
 
     `shape` gives the size of each axis; one size may be -1 to take the remaining devices.
-    By default every device goes to 'fsdp'.
+    By default every device goes to 'fsdp'. A mesh smaller than the device list uses the
+    first devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = dict(shape or {"data": 1, "fsdp": -1, "tensor": 1})
@@ -57,10 +58,10 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Devi
         if len(devices) % known:
             raise ValueError(f"mesh {shape} does not divide {len(devices)} devices")
         sizes[sizes.index(-1)] = len(devices) // known
-    if math.prod(sizes) != len(devices):
+    if math.prod(sizes) > len(devices):
         raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
                          f"have {len(devices)}")
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+    return Mesh(np.asarray(devices[: math.prod(sizes)]).reshape(sizes), MESH_AXES)
 
 
 def logical_to_spec(

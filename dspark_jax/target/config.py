@@ -72,8 +72,15 @@ class TargetConfig:
             raise UnsupportedModelError(
                 f"unknown target family {self.family!r}; supported: {sorted(set(_HF_FAMILIES.values()))}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TargetConfig.{name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -153,8 +160,9 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Targe
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling")
+        # transformers < 5 writes `rope_theta` + `rope_scaling`; >= 5 one `rope_parameters` dict.
+        scaling = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        theta = float(cfg.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0)))
         factors = None
         if scaling:
             kind = scaling.get("rope_type", scaling.get("type"))

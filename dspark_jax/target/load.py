@@ -70,7 +70,9 @@ def to_model_layout(hf_value: np.ndarray, layout: str, shape: tuple[int, ...]) -
     return np.ascontiguousarray(out).reshape(shape)
 
 
-def abstract_model(cfg: TargetConfig, param_dtype: Dtype = jnp.float32, dtype: Dtype = jnp.float32) -> Transformer:
+def abstract_model(
+    cfg: TargetConfig, param_dtype: Dtype = jnp.float32, dtype: Dtype = jnp.float32
+) -> Transformer:
     """The model with `ShapeDtypeStruct` leaves: shapes and metadata without memory."""
     return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype))
 
@@ -94,7 +96,9 @@ def build_model(
         struct = variable.get_value()
         value = inv_freq if path == ("inv_freq",) else read(path, tuple(struct.shape))
         if tuple(value.shape) != tuple(struct.shape):
-            raise ValueError(f"variable {'.'.join(map(str, path))}: shape {value.shape}, expected {struct.shape}")
+            raise ValueError(
+                f"variable {'.'.join(map(str, path))}: shape {value.shape}, expected {struct.shape}"
+            )
         return variable.replace(jax.device_put(np.asarray(value).astype(struct.dtype), named_sharding))
 
     flat = nnx.to_flat_state(state)

@@ -1,0 +1,1 @@
+"""Conversation sources, the packaged validation prompts and the training input pipeline."""

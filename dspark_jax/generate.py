@@ -1,0 +1,63 @@
+"""Target generation over `{"turns": [...]}` prompts.
+
+  python -m dspark_jax.generate [--config=configs/base.py:demo] --input=IN.jsonl --output=OUT.jsonl \
+      [--max_new_tokens=N] [--temperature=T] [--top_p=P] [--seed=S]
+
+Each output line is `{"replies": [str per turn], "reply_ids": [[int] per turn]}`; greedy
+when the temperature is 0 (the default). Without `--config` the target is the embedded
+default (SmolLM2-135M-Instruct).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from dspark_jax import sharding
+from dspark_jax.data.conversations import read_turns_jsonl
+from dspark_jax.target import target_from_config
+from dspark_jax.target.generate import Generator, SamplingParams, generate_replies
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "base.py") + ":demo"
+
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:preset].")
+_INPUT = flags.DEFINE_string("input", None, "JSONL of {'turns': [...]} prompts.", required=True)
+_OUTPUT = flags.DEFINE_string("output", None, "Output JSONL path.", required=True)
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Overrides config.generate.max_new_tokens.")
+_TEMPERATURE = flags.DEFINE_float("temperature", None, "Overrides config.generate.temperature.")
+_TOP_P = flags.DEFINE_float("top_p", None, "Overrides config.generate.top_p.")
+_SEED = flags.DEFINE_integer("seed", None, "Overrides config.seed.")
+
+
+def main(argv):
+    del argv
+    config = _CONFIG.value
+    gen = config.generate
+    seed = config.seed if _SEED.value is None else _SEED.value
+    params = SamplingParams(
+        temperature=gen.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value,
+        top_p=gen.top_p if _TOP_P.value is None else _TOP_P.value,
+    )
+    max_new = gen.max_new_tokens if _MAX_NEW.value is None else _MAX_NEW.value
+    conversations = read_turns_jsonl(_INPUT.value)
+    mesh = sharding.make_mesh(config.mesh.to_dict())
+    target = target_from_config(config.target, seed=seed, mesh=mesh)
+    logging.info("target %s (%s), %d conversations", target.source, target.config.family, len(conversations))
+    generator = Generator(target.model, eos_ids=target.eos_ids, pad_id=target.tokenizer.pad_id,
+                          batch_size=gen.batch_size, padding=gen.padding, mesh=mesh)
+    results = generate_replies(generator, target.tokenizer, target.chat_template, conversations,
+                               max_new_tokens=max_new, params=params, seed=seed)
+    out = Path(_OUTPUT.value)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for replies, reply_ids in results:
+            f.write(json.dumps({"replies": replies, "reply_ids": reply_ids}, ensure_ascii=False) + "\n")
+    stats = generator.stats
+    print(json.dumps({"output": str(out), "conversations": len(results), **stats.as_dict()}))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,281 @@
+"""Batched generation with a KV cache under `jax.jit`: prefill + a `while_loop` decode.
+
+Shapes are fixed per call: prompts are padded to a length bucket (powers of two) and the
+batch to `batch_size`, so a run compiles a handful of programs and then only executes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dspark_jax import sharding
+from dspark_jax.target.chat import ChatTemplate, prompt_ids
+from dspark_jax.target.model import KVCache, Transformer
+from dspark_jax.target.tokenizer import Tokenizer
+
+MIN_PROMPT_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Greedy when `temperature == 0`; otherwise temperature scaling then nucleus (top-p)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sampling_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
+    """Logits of the distribution actually sampled from: tempered, with the top-p tail at -inf."""
+    logits_BxV = logits_BxV.astype(jnp.float32) / params.temperature
+    if params.top_p < 1.0:
+        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+        before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV  # mass strictly above each token
+        kept = before_BxV < params.top_p
+        threshold_B = jnp.min(jnp.where(kept, sorted_BxV, jnp.inf), axis=-1)
+        logits_BxV = jnp.where(logits_BxV >= threshold_B[:, None], logits_BxV, -jnp.inf)
+    return logits_BxV
+
+
+def sample(logits_BxV: jax.Array, rng: jax.Array, params: SamplingParams) -> jax.Array:
+    """One token per row: argmax when greedy, else a draw from `sampling_logits`."""
+    if params.temperature == 0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(rng, sampling_logits(logits_BxV, params), axis=-1).astype(jnp.int32)
+
+
+def prompt_bucket(length: int) -> int:
+    """Smallest power of two >= `length` (at least MIN_PROMPT_BUCKET)."""
+    return max(MIN_PROMPT_BUCKET, 1 << max(0, length - 1).bit_length())
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], batch: int, length: int, pad_id: int, padding: str):
+    """Packs prompts into `tokens [batch, length]` (left- or right-aligned) and `lengths [batch]`.
+
+    Rows beyond `len(prompts)` are dummies of one pad token.
+    """
+    tokens = np.full((batch, length), pad_id, np.int32)
+    lengths = np.ones((batch,), np.int32)
+    for row, prompt in enumerate(prompts):
+        n = len(prompt)
+        if padding == "left":
+            tokens[row, length - n :] = prompt
+        else:
+            tokens[row, :n] = prompt
+        lengths[row] = n
+    return tokens, lengths
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Totals over a Generator's calls; `seconds` is prefill + decode wall time, compiles excluded."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "tokens_per_second": self.tokens_per_second}
+
+
+def _generate_program(
+    state: nnx.State,
+    tokens_BxP: jax.Array,
+    lengths_B: jax.Array,
+    rng: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+    padding: str,
+) -> tuple[jax.Array, jax.Array]:
+    """Prefill then decode until every row hit EOS or `max_new_tokens`.
+
+    Returns `tokens [B, max_new_tokens]` (EOS included, then padding -1) and `count [B]`,
+    the number of tokens generated per row before (and without) EOS.
+    """
+    model = nnx.merge(graphdef, state)
+    b, p = tokens_BxP.shape
+    cache = KVCache.zeros(model.cfg, b, p + max_new_tokens, model.dtype)
+    if padding == "left":
+        cache = cache._replace(start_B=(p - lengths_B).astype(jnp.int32))
+    out = model(tokens_BxP, cache=cache)
+    last_B = lengths_B - 1 if padding == "right" else jnp.full((b,), p - 1, jnp.int32)
+    cache = out.cache._replace(end_B=out.cache.start_B + lengths_B)
+    last_hidden_BxH = out.hidden_BxTxH[jnp.arange(b), last_B]
+    eos = jnp.asarray(eos_ids, jnp.int32)
+
+    def step(carry):
+        i, cache, hidden_BxH, done_B, out_BxN = carry
+        token_B = sample(model.logits(hidden_BxH), jax.random.fold_in(rng, i), params)
+        token_B = jnp.where(done_B, -1, token_B)
+        out_BxN = out_BxN.at[:, i].set(token_B)
+        done_B = done_B | jnp.isin(token_B, eos)
+        nxt = model(jnp.maximum(token_B, 0)[:, None], cache=cache)
+        return i + 1, nxt.cache, nxt.hidden_BxTxH[:, 0], done_B, out_BxN
+
+    def running(carry):
+        i, _, _, done_B, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done_B)
+
+    init = (
+        jnp.int32(0),
+        cache,
+        last_hidden_BxH,
+        jnp.zeros((b,), bool),
+        jnp.full((b, max_new_tokens), -1, jnp.int32),
+    )
+    _, _, _, _, out_BxN = jax.lax.while_loop(running, step, init)
+    produced_BxN = (out_BxN >= 0) & ~jnp.isin(out_BxN, eos)
+    return out_BxN, jnp.sum(jnp.cumprod(produced_BxN, axis=1), axis=1)
+
+
+class Generator:
+    """Generates continuations of token prompts with a target model.
+
+    Args:
+      model: the target.
+      eos_ids: tokens that end a row.
+      pad_id: token used for padding (never attended to).
+      batch_size: rows per compiled program; requests are split and the last batch padded.
+      padding: 'left' (default) or 'right' alignment of prompts in the padded batch.
+      mesh: the device mesh; the batch is sharded over its data axes.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        batch_size: int = 8,
+        padding: str = "left",
+        mesh: Mesh | None = None,
+    ):
+        if padding not in ("left", "right"):
+            raise ValueError(f"padding must be 'left' or 'right', got {padding!r}")
+        if not eos_ids:
+            raise ValueError("at least one EOS id is needed to stop generation")
+        self.graphdef, self.state = nnx.split(model)
+        self.cfg = model.cfg
+        self.eos_ids = tuple(int(t) for t in eos_ids)
+        self.pad_id = pad_id
+        self.batch_size = batch_size
+        self.padding = padding
+        self.mesh = mesh or sharding.make_mesh()
+        self.stats = GenerationStats()
+        self._compiled: dict[tuple, object] = {}
+
+    def _program(self, prompt_len: int, max_new_tokens: int, params: SamplingParams):
+        key = (prompt_len, max_new_tokens, params)
+        if key not in self._compiled:
+            fn = jax.jit(
+                functools.partial(
+                    _generate_program,
+                    graphdef=self.graphdef,
+                    max_new_tokens=max_new_tokens,
+                    params=params,
+                    eos_ids=self.eos_ids,
+                    padding=self.padding,
+                )
+            )
+            tokens = sharding.shard_batch(np.zeros((self.batch_size, prompt_len), np.int32), self.mesh)
+            lengths = sharding.shard_batch(np.ones((self.batch_size,), np.int32), self.mesh)
+            begin = time.perf_counter()
+            self._compiled[key] = fn.lower(self.state, tokens, lengths, jax.random.key(0)).compile()
+            self.stats.compile_seconds += time.perf_counter() - begin
+        return self._compiled[key]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        params: SamplingParams = SamplingParams(),
+        seed: int = 0,
+    ) -> list[list[int]]:
+        """Generated ids per prompt, EOS excluded. Deterministic for a given seed and batching."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for index, prompt in enumerate(prompts):
+            if not len(prompt):
+                raise ValueError(f"prompt {index} is empty")
+            if len(prompt) + max_new_tokens > self.cfg.max_position_embeddings:
+                raise ValueError(
+                    f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                    f"the target's max_position_embeddings={self.cfg.max_position_embeddings}"
+                )
+        results: list[list[int]] = []
+        rng = jax.random.key(seed)
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start : start + self.batch_size]
+            length = prompt_bucket(max(len(p) for p in chunk))
+            program = self._program(length, max_new_tokens, params)
+            tokens, lengths = pad_prompts(chunk, self.batch_size, length, self.pad_id, self.padding)
+            begin = time.perf_counter()
+            out, counts = program(
+                self.state,
+                sharding.shard_batch(tokens, self.mesh),
+                sharding.shard_batch(lengths, self.mesh),
+                jax.random.fold_in(rng, start),
+            )
+            out, counts = np.asarray(out), np.asarray(counts)
+            self.stats.seconds += time.perf_counter() - begin
+            self.stats.prompt_tokens += int(lengths[: len(chunk)].sum())
+            self.stats.generated_tokens += int(counts[: len(chunk)].sum())
+            results.extend(out[row, : counts[row]].tolist() for row in range(len(chunk)))
+        return results
+
+
+def generate_replies(
+    generator: Generator,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    conversations: Sequence[Sequence[str]],
+    *,
+    max_new_tokens: int,
+    params: SamplingParams = SamplingParams(),
+    seed: int = 0,
+) -> list[tuple[list[str], list[list[int]]]]:
+    """Target replies for every user turn of every conversation, `(replies, reply_ids)` each.
+
+    Turn k of a conversation is answered with the conversation's earlier user turns and the
+    target's own earlier replies in context; conversations are batched turn by turn.
+    """
+    replies: list[list[str]] = [[] for _ in conversations]
+    reply_ids: list[list[list[int]]] = [[] for _ in conversations]
+    for turn in range(max((len(c) for c in conversations), default=0)):
+        active = [i for i, conv in enumerate(conversations) if len(conv) > turn]
+        prompts = []
+        for i in active:
+            messages = []
+            for user, reply in zip(conversations[i][:turn], replies[i]):
+                messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+            messages.append({"role": "user", "content": conversations[i][turn]})
+            prompts.append(prompt_ids(tokenizer, template, messages).tolist())
+        outputs = generator.generate(prompts, max_new_tokens=max_new_tokens, params=params, seed=seed + turn)
+        for i, ids in zip(active, outputs):
+            reply_ids[i].append(ids)
+            replies[i].append(tokenizer.decode(ids, skip_special_tokens=True))
+    return list(zip(replies, reply_ids))

@@ -1,0 +1,24 @@
+"""Test-wide setup: 8 fake CPU devices (set before JAX initialises) and shared fixtures."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from dspark_jax import sharding  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mesh1():
+    """A one-device mesh for tests that are about numbers, not sharding."""
+    return sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+
+
+@pytest.fixture(scope="session")
+def mesh8():
+    """data=2 x fsdp=2 x tensor=2 over the 8 fake CPU devices."""
+    assert len(jax.devices()) == 8
+    return sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})

@@ -23,9 +23,20 @@ Keys:
 from ml_collections import config_dict
 
 SMOKE_TARGET = dict(
-    family="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-    num_kv_heads=2, head_dim=16, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-    max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,),
+    family="llama",
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    bos_token_id=1,
+    eos_token_ids=(2,),
 )
 
 

@@ -46,10 +46,23 @@ def main(argv):
     mesh = sharding.make_mesh(config.mesh.to_dict())
     target = target_from_config(config.target, seed=seed, mesh=mesh)
     logging.info("target %s (%s), %d conversations", target.source, target.config.family, len(conversations))
-    generator = Generator(target.model, eos_ids=target.eos_ids, pad_id=target.tokenizer.pad_id,
-                          batch_size=gen.batch_size, padding=gen.padding, mesh=mesh)
-    results = generate_replies(generator, target.tokenizer, target.chat_template, conversations,
-                               max_new_tokens=max_new, params=params, seed=seed)
+    generator = Generator(
+        target.model,
+        eos_ids=target.eos_ids,
+        pad_id=target.tokenizer.pad_id,
+        batch_size=gen.batch_size,
+        padding=gen.padding,
+        mesh=mesh,
+    )
+    results = generate_replies(
+        generator,
+        target.tokenizer,
+        target.chat_template,
+        conversations,
+        max_new_tokens=max_new,
+        params=params,
+        seed=seed,
+    )
     out = Path(_OUTPUT.value)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:

@@ -69,9 +69,7 @@ class Linear(nnx.Module):
         shape = (*in_shape, *out_shape)
         value = jnp.zeros(shape, param_dtype) if zero_init else normal_init(rngs, shape, param_dtype)
         self.kernel = nnx.Param(value, axes=axes)
-        self.bias = (
-            nnx.Param(jnp.zeros(out_shape, param_dtype), axes=axes[self.n_in :]) if use_bias else None
-        )
+        self.bias = nnx.Param(jnp.zeros(out_shape, param_dtype), axes=axes[self.n_in :]) if use_bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value().astype(self.dtype)
@@ -100,11 +98,15 @@ class AttentionProjections(nnx.Module):
         dtype: Dtype = jnp.float32,
     ):
         kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
-        self.q = Linear((hidden,), (num_heads, head_dim), ("embed", "heads", "head_dim"), use_bias=use_bias, **kw)
-        self.k = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=use_bias,
-                        **kw)
-        self.v = Linear((hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=use_bias,
-                        **kw)
+        self.q = Linear(
+            (hidden,), (num_heads, head_dim), ("embed", "heads", "head_dim"), use_bias=use_bias, **kw
+        )
+        self.k = Linear(
+            (hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=use_bias, **kw
+        )
+        self.v = Linear(
+            (hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=use_bias, **kw
+        )
         self.o = Linear((num_heads, head_dim), (hidden,), ("heads", "head_dim", "embed"), **kw)
         self.q_norm = RMSNorm(head_dim, eps, param_dtype=param_dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, param_dtype=param_dtype) if qk_norm else None
@@ -130,8 +132,9 @@ def gqa_attention(
     b, t, n, d = q_BxTxNxD.shape
     k = k_BxSxKxD.shape[2]
     q_BxTxKxGxD = q_BxTxNxD.reshape(b, t, k, n // k, d)
-    logits_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
-                                  preferred_element_type=jnp.float32) * (d**-0.5)
+    logits_BxKxGxTxS = jnp.einsum(
+        "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32
+    ) * (d**-0.5)
     mask = visible_BxTxS[:, None, None]
     logits_BxKxGxTxS = jnp.where(mask, logits_BxKxGxTxS, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits_BxKxGxTxS, axis=-1)
@@ -143,8 +146,15 @@ def gqa_attention(
 class SwiGLU(nnx.Module):
     """`down(silu(gate(x)) * up(x))`."""
 
-    def __init__(self, hidden: int, intermediate: int, *, rngs: nnx.Rngs, param_dtype: Dtype = jnp.float32,
-                 dtype: Dtype = jnp.float32):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Dtype = jnp.float32,
+        dtype: Dtype = jnp.float32,
+    ):
         kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
         self.gate = Linear((hidden,), (intermediate,), ("embed", "mlp"), **kw)
         self.up = Linear((hidden,), (intermediate,), ("embed", "mlp"), **kw)

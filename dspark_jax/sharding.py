@@ -59,8 +59,9 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Devi
             raise ValueError(f"mesh {shape} does not divide {len(devices)} devices")
         sizes[sizes.index(-1)] = len(devices) // known
     if math.prod(sizes) > len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
-                         f"have {len(devices)}")
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}"
+        )
     return Mesh(np.asarray(devices[: math.prod(sizes)]).reshape(sizes), MESH_AXES)
 
 

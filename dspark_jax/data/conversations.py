@@ -1,9 +1,11 @@
-"""Conversation sources: `{"turns": [...]}` JSONL prompts."""
+"""Conversation sources: `{"turns": [...]}` JSONL prompts and the packaged GSM8K validation prompts."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+GSM8K_VAL256 = Path(__file__).resolve().parent / "gsm8k_val256.jsonl"
 
 
 def read_turns_jsonl(path: str | Path) -> list[list[str]]:

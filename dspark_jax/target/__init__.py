@@ -24,8 +24,15 @@ from dspark_jax.target.model import KVCache, TargetOutput, Transformer
 from dspark_jax.target.tokenizer import Tokenizer
 
 __all__ = [
-    "KVCache", "Target", "TargetConfig", "TargetOutput", "Tokenizer", "Transformer", "load_target",
-    "random_target", "target_from_config",
+    "KVCache",
+    "Target",
+    "TargetConfig",
+    "TargetOutput",
+    "Tokenizer",
+    "Transformer",
+    "load_target",
+    "random_target",
+    "target_from_config",
 ]
 
 
@@ -93,21 +100,35 @@ def random_target(
     path = Path(tokenizer_path) if tokenizer_path else default_target_path()
     tokenizer = _tokenizer_for(path)
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"tokenizer of {path} has {tokenizer.vocab_size} tokens but the random target's "
-                         f"vocab_size is {cfg.vocab_size}")
+        raise ValueError(
+            f"tokenizer of {path} has {tokenizer.vocab_size} tokens but the random target's "
+            f"vocab_size is {cfg.vocab_size}"
+        )
     model = Transformer(cfg, rngs=nnx.Rngs(seed), param_dtype=param_dtype, dtype=dtype)
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, sharding.state_shardings(state, mesh or sharding.make_mesh(), rules))
     identity = json.dumps({"random_target": cfg.to_json(), "seed": seed}, sort_keys=True)
-    return Target(nnx.merge(graphdef, state), tokenizer, ChatTemplate.for_tokenizer(tokenizer),
-                  f"random:{seed}", hashlib.sha256(identity.encode()).hexdigest())
+    return Target(
+        nnx.merge(graphdef, state),
+        tokenizer,
+        ChatTemplate.for_tokenizer(tokenizer),
+        f"random:{seed}",
+        hashlib.sha256(identity.encode()).hexdigest(),
+    )
 
 
-def target_from_config(config, *, seed: int, mesh: Mesh | None = None,
-                       rules: sharding.Rules = sharding.DEFAULT_RULES) -> Target:
+def target_from_config(
+    config, *, seed: int, mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES
+) -> Target:
     """The target described by a config's `target` section (see configs/base.py)."""
     dtypes = dict(param_dtype=jnp.dtype(config.param_dtype), dtype=jnp.dtype(config.dtype))
     if config.random_init:
-        return random_target(config.arch.to_dict(), seed=seed, tokenizer_path=config.path or None, mesh=mesh,
-                             rules=rules, **dtypes)
+        return random_target(
+            config.arch.to_dict(),
+            seed=seed,
+            tokenizer_path=config.path or None,
+            mesh=mesh,
+            rules=rules,
+            **dtypes,
+        )
     return load_target(config.path or None, mesh=mesh, rules=rules, **dtypes)

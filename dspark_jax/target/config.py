@@ -186,7 +186,7 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Targe
             qk_norm=family == "qwen3",
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rope_freq_factors=factors,
-            bos_token_id=cfg.get("bos_token_id"),
+            bos_token_id=None if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
             eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
         )
     except KeyError as e:
@@ -223,11 +223,16 @@ def from_gguf_metadata(
 
     def get(key, default=None):
         full = f"{arch}.{key}"
-        if full in metadata:
-            return metadata[full]
-        if default is None:
-            raise ValueError(f"{source}: missing GGUF metadata key {full!r}")
-        return default
+        if full not in metadata:
+            if default is None:
+                raise ValueError(f"{source}: missing GGUF metadata key {full!r}")
+            return default
+        value = metadata[full]
+        if isinstance(value, list):  # per-layer values: only uniform layers are supported
+            if len(set(value)) != 1:
+                raise UnsupportedModelError(f"{source}: {full} varies across layers ({value}); not supported")
+            value = value[0]
+        return value
 
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))

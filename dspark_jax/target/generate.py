@@ -223,8 +223,8 @@ class Generator:
                 raise ValueError(f"prompt {index} is empty")
             if len(prompt) + max_new_tokens > self.cfg.max_position_embeddings:
                 raise ValueError(
-                    f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
-                    f"the target's max_position_embeddings={self.cfg.max_position_embeddings}"
+                    f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it "
+                    f"exceeds the target's max_position_embeddings={self.cfg.max_position_embeddings}"
                 )
         results: list[list[int]] = []
         rng = jax.random.key(seed)

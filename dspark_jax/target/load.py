@@ -57,9 +57,7 @@ def to_model_layout(hf_value: np.ndarray, layout: str, shape: tuple[int, ...]) -
     """Rearranges a torch-layout (`[out, in]`) tensor into the model variable's `shape`."""
     if layout == "vector":
         out = hf_value
-    elif layout == "transpose":
-        out = hf_value.T
-    elif layout == "in_heads":  # [N*D, H] -> [H, N, D]
+    elif layout == "transpose" or layout == "in_heads":
         out = hf_value.T
     elif layout == "heads":  # [N*D] -> [N, D]
         out = hf_value

@@ -27,20 +27,26 @@ class KVCache(NamedTuple):
     back a speculative block lowers `end`.
     """
 
-    k_LxBxSxKxD: jax.Array
-    v_LxBxSxKxD: jax.Array
+    k_BxSxKxD: tuple[jax.Array, ...]  # one buffer per layer, updated in place under jit
+    v_BxSxKxD: tuple[jax.Array, ...]
     start_B: jax.Array
     end_B: jax.Array
 
     @classmethod
     def zeros(cls, cfg: TargetConfig, batch: int, max_len: int, dtype: Dtype) -> KVCache:
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         zeros_B = jnp.zeros((batch,), jnp.int32)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), zeros_B, zeros_B)
+        layers = range(cfg.num_layers)
+        return cls(
+            tuple(jnp.zeros(shape, dtype) for _ in layers),
+            tuple(jnp.zeros(shape, dtype) for _ in layers),
+            zeros_B,
+            zeros_B,
+        )
 
     @property
     def max_len(self) -> int:
-        return self.k_LxBxSxKxD.shape[2]
+        return self.k_BxSxKxD[0].shape[1]
 
 
 class TargetOutput(NamedTuple):
@@ -56,8 +62,14 @@ class DecoderLayer(nnx.Module):
         kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.attn = AttentionProjections(
-            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            eps=cfg.rms_norm_eps, use_bias=cfg.attention_bias, qk_norm=cfg.qk_norm, **kw,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            eps=cfg.rms_norm_eps,
+            use_bias=cfg.attention_bias,
+            qk_norm=cfg.qk_norm,
+            **kw,
         )
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
@@ -75,8 +87,9 @@ class DecoderLayer(nnx.Module):
             rows_Bx1 = jnp.arange(slots_BxT.shape[0])[:, None]
             k_BxTxKxD = k_cache.at[rows_Bx1, slots_BxT].set(k_BxTxKxD.astype(k_cache.dtype))
             v_BxTxKxD = v_cache.at[rows_Bx1, slots_BxT].set(v_BxTxKxD.astype(v_cache.dtype))
-        attn_BxTxNxD = gqa_attention(q_BxTxNxD, k_BxTxKxD.astype(q_BxTxNxD.dtype),
-                                     v_BxTxKxD.astype(q_BxTxNxD.dtype), visible_BxTxS)
+        attn_BxTxNxD = gqa_attention(
+            q_BxTxNxD, k_BxTxKxD.astype(q_BxTxNxD.dtype), v_BxTxKxD.astype(q_BxTxNxD.dtype), visible_BxTxS
+        )
         x_BxTxH = x_BxTxH + self.attn.o(attn_BxTxNxD).astype(x_BxTxH.dtype)
         x_BxTxH = x_BxTxH + self.mlp(self.post_attn_norm(x_BxTxH)).astype(x_BxTxH.dtype)
         return x_BxTxH, k_BxTxKxD, v_BxTxKxD
@@ -85,18 +98,33 @@ class DecoderLayer(nnx.Module):
 class Transformer(nnx.Module):
     """Decoder-only target LLM. Parameters in `param_dtype`, activations in `dtype`."""
 
-    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, param_dtype: Dtype = jnp.float32,
-                 dtype: Dtype = jnp.float32):
+    def __init__(
+        self,
+        cfg: TargetConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Dtype = jnp.float32,
+        dtype: Dtype = jnp.float32,
+    ):
         self.cfg = cfg
         self.dtype = dtype
-        self.embedding = nnx.Param(normal_init(rngs, (cfg.vocab_size, cfg.hidden_size), param_dtype),
-                                   axes=("vocab", "embed"))
+        self.embedding = nnx.Param(
+            normal_init(rngs, (cfg.vocab_size, cfg.hidden_size), param_dtype), axes=("vocab", "embed")
+        )
         self.layers = nnx.List(
-            [DecoderLayer(cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype) for _ in range(cfg.num_layers)]
+            [
+                DecoderLayer(cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+                for _ in range(cfg.num_layers)
+            ]
         )
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else nnx.Param(
-            normal_init(rngs, (cfg.hidden_size, cfg.vocab_size), param_dtype), axes=("embed", "vocab"))
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Param(
+                normal_init(rngs, (cfg.hidden_size, cfg.vocab_size), param_dtype), axes=("embed", "vocab")
+            )
+        )
         self.inv_freq = nnx.Variable(jnp.asarray(cfg.rope_inv_freq(), jnp.float32))
 
     def embed(self, tokens_BxT: jax.Array) -> jax.Array:
@@ -108,8 +136,12 @@ class Transformer(nnx.Module):
 
     def logits(self, hidden_BxTxH: jax.Array) -> jax.Array:
         """Float32 logits `[..., V]` from post-norm final states."""
-        return jnp.einsum("...h,hv->...v", hidden_BxTxH.astype(self.dtype),
-                          self.lm_head_matrix().astype(self.dtype), preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "...h,hv->...v",
+            hidden_BxTxH.astype(self.dtype),
+            self.lm_head_matrix().astype(self.dtype),
+            preferred_element_type=jnp.float32,
+        )
 
     def __call__(
         self,
@@ -142,20 +174,21 @@ class Transformer(nnx.Module):
             key_slots_S = jnp.arange(cache.max_len, dtype=jnp.int32)
         positions_BxT = slots_BxT - start_B[:, None]
         visible_BxTxS = (key_slots_S[None, None, :] <= slots_BxT[:, :, None]) & (
-            key_slots_S[None, None, :] >= start_B[:, None, None])
+            key_slots_S[None, None, :] >= start_B[:, None, None]
+        )
         if cache is None and valid_BxT is not None:
             visible_BxTxS = visible_BxTxS & valid_BxT[:, None, :].astype(bool)
 
         x_BxTxH = self.embed(tokens_BxT)
         aux = {-1: x_BxTxH}
-        k_all, v_all = (cache.k_LxBxSxKxD, cache.v_LxBxSxKxD) if cache is not None else (None, None)
+        ks, vs = [], []
         for index, layer in enumerate(self.layers):
-            kv = None if cache is None else (k_all[index], v_all[index], slots_BxT)
+            kv = None if cache is None else (cache.k_BxSxKxD[index], cache.v_BxSxKxD[index], slots_BxT)
             x_BxTxH, k, v = layer(x_BxTxH, positions_BxT, self.inv_freq.get_value(), visible_BxTxS, kv)
-            if cache is not None:
-                k_all, v_all = k_all.at[index].set(k), v_all.at[index].set(v)
+            ks.append(k)
+            vs.append(v)
             aux[index] = x_BxTxH
         hidden_BxTxH = self.final_norm(x_BxTxH)
         aux_BxTxAxH = jnp.stack([aux[i] for i in aux_layer_ids], axis=2) if aux_layer_ids else None
-        new_cache = None if cache is None else KVCache(k_all, v_all, cache.start_B, cache.end_B + t)
+        new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs), cache.start_B, cache.end_B + t)
         return TargetOutput(hidden_BxTxH, aux_BxTxAxH, new_cache)

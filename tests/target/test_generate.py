@@ -11,8 +11,19 @@ from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.generate import Generator, SamplingParams, prompt_bucket, sampling_logits
 from dspark_jax.target.model import Transformer
 
-CFG = TargetConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                   num_kv_heads=2, head_dim=8, qk_norm=True, max_position_embeddings=128, eos_token_ids=(3,))
+CFG = TargetConfig(
+    family="qwen3",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qk_norm=True,
+    max_position_embeddings=128,
+    eos_token_ids=(3,),
+)
 EOS = 3
 
 
@@ -72,7 +83,9 @@ def test_top_p_keeps_smallest_prefix_reaching_mass():
     # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: the two most likely tokens stay.
     np.testing.assert_array_equal(np.isfinite(out), [[1, 1, 0, 0], [0, 0, 1, 1]])
     empirical = np.bincount(
-        np.asarray(jax.random.categorical(jax.random.key(0), jnp.asarray(out[0]), shape=(20000,))), minlength=4)
+        np.asarray(jax.random.categorical(jax.random.key(0), jnp.asarray(out[0]), shape=(20000,))),
+        minlength=4,
+    )
     np.testing.assert_allclose(empirical / 20000, [0.625, 0.375, 0, 0], atol=0.015)
 
 
@@ -80,8 +93,12 @@ def test_sharded_generation_equals_single_device(model, mesh1, mesh8):
     sharded = _model(mesh8)
     kernel = sharded.layers[0].mlp.gate.kernel.get_value()
     assert len(kernel.sharding.device_set) == 8 and not kernel.sharding.is_fully_replicated
-    single = Generator(model, eos_ids=[EOS], pad_id=0, batch_size=4, mesh=mesh1).generate(PROMPTS, max_new_tokens=12)
-    multi = Generator(sharded, eos_ids=[EOS], pad_id=0, batch_size=4, mesh=mesh8).generate(PROMPTS, max_new_tokens=12)
+    single = Generator(model, eos_ids=[EOS], pad_id=0, batch_size=4, mesh=mesh1).generate(
+        PROMPTS, max_new_tokens=12
+    )
+    multi = Generator(sharded, eos_ids=[EOS], pad_id=0, batch_size=4, mesh=mesh8).generate(
+        PROMPTS, max_new_tokens=12
+    )
     assert multi == single
 
 

@@ -68,3 +68,15 @@ def test_greedy_generation_is_token_for_token_identical(hf, target, mesh1):
             )
         expected = [t for t in ref[0, len(prompt) :].tolist() if t not in target.eos_ids]
         assert got == expected
+
+
+def test_sharded_generation_on_8_devices_equals_one_device(target, mesh1, mesh8, hf):
+    _, tokenizer = hf
+    prompts = [_prompt(tokenizer, chat) for chat in CHATS]
+    sharded = load_target(mesh=mesh8)
+    embedding = sharded.model.embedding.get_value()
+    assert len(embedding.sharding.device_set) == 8 and not embedding.sharding.is_fully_replicated
+    kw = dict(eos_ids=target.eos_ids, pad_id=target.tokenizer.pad_id, batch_size=4)
+    one = Generator(target.model, mesh=mesh1, **kw).generate(prompts, max_new_tokens=24)
+    eight = Generator(sharded.model, mesh=mesh8, **kw).generate(prompts, max_new_tokens=24)
+    assert eight == one

@@ -18,6 +18,18 @@ Keys:
   generate.temperature      0 = greedy.
   generate.top_p            nucleus sampling mass.
   generate.padding          'left' or 'right' prompt alignment.
+  data.cache_dir            root of the caches and regenerated replies; '' = $DSPARK_JAX_CACHE or
+                            ~/.cache/dspark_jax, then `<preset>-<target fingerprint>` below it.
+  data.train_source         'sharegpt' (the PyPI package) or a conversation file (JSON/JSONL).
+  data.train_limit          first N usable training conversations (0 = all).
+  data.val_source           validation prompts; '' = the packaged GSM8K-256.
+  data.val_limit            first N validation prompts (0 = all).
+  data.aux_layer_ids        target layers cached as draft context (-1 = embedding output).
+  data.max_length           tokens per sample (prompt + response); longer samples are truncated.
+  data.num_shards           cache shards (parallel build units; fixed per cache).
+  data.regen_max_new_tokens reply length cap when the target regenerates replies.
+  data.regen_max_prompt_tokens  prompt length cap per regenerated turn.
+  data.regen_batch_size     rows per regeneration program.
 """
 
 from ml_collections import config_dict
@@ -62,5 +74,19 @@ def get_config(preset: str = "demo") -> config_dict.ConfigDict:
     c.generate.temperature = 0.0
     c.generate.top_p = 1.0
     c.generate.padding = "left"
+
+    demo = preset == "demo"
+    c.data = config_dict.ConfigDict()
+    c.data.cache_dir = ""
+    c.data.train_source = "sharegpt"
+    c.data.train_limit = 300 if demo else 6
+    c.data.val_source = ""
+    c.data.val_limit = 256 if demo else 4
+    c.data.aux_layer_ids = (27, 28, 29) if demo else (1, 2, 3)
+    c.data.max_length = 1024 if demo else 256
+    c.data.num_shards = 4 if demo else 2
+    c.data.regen_max_new_tokens = 256 if demo else 8
+    c.data.regen_max_prompt_tokens = 768 if demo else 128
+    c.data.regen_batch_size = 16 if demo else 4
     c.lock()
     return c

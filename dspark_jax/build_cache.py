@@ -1,0 +1,52 @@
+"""Regenerate replies with the target and build the offline caches of a config.
+
+  python -m dspark_jax.build_cache [--config=configs/base.py:demo] [--split=all|train|val] [--dry_run]
+      [--process_index=I --process_count=P]
+
+`--dry_run` regenerates (resumably) and tokenises, then prints the projected cache size in
+bytes without running the target over the samples. Several processes can build disjoint
+shards of one cache (`--process_index/--process_count`); the last one to finish writes the
+final manifest. Rerunning resumes a killed build.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from dspark_jax import sharding
+from dspark_jax.cache.build import prepare_split
+from dspark_jax.target import target_from_config
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "base.py") + ":demo"
+
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:preset].")
+_SPLIT = flags.DEFINE_enum("split", "all", ["all", "train", "val"], "Which cache to build.")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the projected size in bytes and stop.")
+_PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "This builder's index among process_count.")
+_PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "Number of builder processes.")
+
+
+def main(argv):
+    del argv
+    config = _CONFIG.value
+    mesh = sharding.make_mesh(config.mesh.to_dict())
+    target = target_from_config(config.target, seed=config.seed, mesh=mesh)
+    for split in ("train", "val") if _SPLIT.value == "all" else (_SPLIT.value,):
+        report = prepare_split(
+            config,
+            split,
+            target,
+            mesh,
+            dry_run=_DRY_RUN.value,
+            process_index=_PROCESS_INDEX.value,
+            process_count=_PROCESS_COUNT.value,
+        )
+        print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,168 @@
+"""Reading a dspark_jax cache: a grain RandomAccessDataSource and checksum verification."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from dspark_jax.cache import format as fmt
+from dspark_jax.cache.format import CacheSpec
+
+# Keys accepted by ``expect`` and how to find them in a manifest.
+_EXPECT_KEYS = {
+    "aux_layer_ids": lambda m: list(m["spec"]["aux_layer_ids"]),
+    "hidden_size": lambda m: m["spec"]["hidden_size"],
+    "tokenizer_fingerprint": lambda m: m["spec"]["tokenizer_fingerprint"],
+    "target_fingerprint": lambda m: m["spec"]["target"].get("fingerprint"),
+    "engram_dim": lambda m: m["spec"]["engram_dim"],
+}
+
+
+def check_expect(manifest: dict[str, Any], expect: dict[str, Any], where: str) -> None:
+    """Raise ValueError naming the key, expected and found value for the first mismatch."""
+    for key, want in expect.items():
+        if key not in _EXPECT_KEYS:
+            raise ValueError(f"unknown expect key {key!r}; known: {sorted(_EXPECT_KEYS)}")
+        found = _EXPECT_KEYS[key](manifest)
+        if (list(want) if isinstance(want, tuple | list) else want) != found:
+            raise ValueError(f"cache {where!r} mismatch on {key}: expected {want!r}, found {found!r}")
+
+
+def committed_counts(path: str, manifest: dict[str, Any], allow_incomplete: bool) -> list[tuple[int, int]]:
+    """(samples, tokens) per shard: from the manifest if complete, else from committed progress."""
+    if manifest["complete"]:
+        return [(s["num_samples"], s["num_tokens"]) for s in manifest["shards"]]
+    if not allow_incomplete:
+        raise ValueError(
+            f"cache {path!r} is incomplete (not finalized); finish the build and call finalize(), "
+            "or pass allow_incomplete=True to read the committed samples only"
+        )
+    kv = fmt.open_kvstore(path)
+    out = []
+    for s in manifest["shards"]:
+        p = fmt.read_json(kv, fmt.progress_key(s["shard"]))
+        out.append((p["samples_done"], p["tokens_done"]) if p else (0, 0))
+    return out
+
+
+class CacheDataSource:
+    """grain RandomAccessDataSource over a dspark_jax cache, in the original global sample order.
+
+    ``ds[i]`` -> dict of numpy arrays: input_ids int32[T], loss_mask uint8[T],
+    aux_hidden bfloat16[T, n_aux, H], last_hidden bfloat16[T, H] (+ engram bfloat16[T, D_e]).
+    ``expect`` checks the manifest (keys: aux_layer_ids, hidden_size, tokenizer_fingerprint,
+    target_fingerprint, engram_dim). An incomplete cache raises unless ``allow_incomplete``, which
+    exposes only committed samples (each shard's committed prefix, in shard order). Picklable:
+    tensorstore handles are reopened lazily in each process.
+    """
+
+    def __init__(
+        self, path: str, *, expect: dict[str, Any] | None = None, allow_incomplete: bool = False
+    ) -> None:
+        self.path = path
+        self.manifest = fmt.read_manifest(path)
+        check_expect(self.manifest, expect or {}, path)
+        self.spec = CacheSpec.from_json(self.manifest["spec"])
+        counts = committed_counts(path, self.manifest, allow_incomplete)
+        self._shard_starts = np.concatenate([[0], np.cumsum([c[0] for c in counts])]).astype(np.int64)
+        if self._shard_starts[-1] == 0:
+            raise ValueError(f"cache {path!r} has 0 samples; nothing to train on")
+        self._arrays: dict[tuple[int, str], ts.TensorStore] | None = None
+        self._offsets = [
+            self._open(s, "offsets")[: n + 1].read().result() if n else np.zeros(1, np.int64)
+            for s, (n, _) in enumerate(counts)
+        ]
+
+    def _open(self, shard: int, name: str) -> ts.TensorStore:
+        if self._arrays is None:
+            self._arrays = {}
+        key = (shard, name)
+        if key not in self._arrays:
+            self._arrays[key] = ts.open(fmt.array_spec(self.path, shard, name, self.spec, None)).result()
+        return self._arrays[key]
+
+    def __len__(self) -> int:
+        return int(self._shard_starts[-1])
+
+    def locate(self, index: int) -> tuple[int, int, int]:
+        """(shard, token start, token end) of global sample ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range [0, {len(self)})")
+        shard = int(np.searchsorted(self._shard_starts, index, side="right")) - 1
+        j = index - int(self._shard_starts[shard])
+        return shard, int(self._offsets[shard][j]), int(self._offsets[shard][j + 1])
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        shard, t0, t1 = self.locate(int(index))
+        futures = {n: self._open(shard, n)[t0:t1].read() for n in self.spec.array_names}
+        return {n: f.result() for n, f in futures.items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None}
+
+    def __repr__(self) -> str:
+        return f"CacheDataSource({self.path!r}, num_samples={len(self)})"
+
+
+class CacheCorruptError(ValueError):
+    """A checksum or read failure; the message names the shard, array and sample range."""
+
+
+def _samples_of(offsets: np.ndarray, t0: int, t1: int) -> str:
+    a = int(np.searchsorted(offsets, t0, side="right")) - 1
+    b = int(np.searchsorted(offsets, t1, side="left"))
+    return f"samples {a}..{b - 1} (shard-local)"
+
+
+def verify(path: str, *, allow_incomplete: bool = False) -> int:
+    """Recompute every checksum of the committed data; returns the number of samples verified.
+
+    Raises CacheCorruptError naming shard, array and (shard-local) sample range on a mismatch.
+    """
+    manifest = fmt.read_manifest(path)
+    spec = CacheSpec.from_json(manifest["spec"])
+    counts = committed_counts(path, manifest, allow_incomplete)
+    kv = fmt.open_kvstore(path)
+    for s, (n, n_tok) in enumerate(counts):
+        progress = fmt.read_json(kv, fmt.progress_key(s)) if n else None
+        if n and progress is None:
+            raise CacheCorruptError(f"shard {s}: progress.json is missing")
+        if not n:
+            continue
+        sums = progress["checksums"]
+        if manifest["complete"]:
+            for name, want in manifest["shards"][s]["checksums"].items():
+                got = sums[name] if name == "offsets" else fmt.root_hash(sums[name])
+                if got != want:
+                    raise CacheCorruptError(
+                        f"shard {s}: {name} checksums in progress.json differ from manifest"
+                    )
+
+        stores: dict[str, ts.TensorStore] = {}
+
+        def read(name: str, a: int, b: int, what: str, shard: int = s, stores=stores) -> np.ndarray:
+            try:
+                if name not in stores:
+                    stores[name] = ts.open(fmt.array_spec(path, shard, name, spec, None)).result()
+                return stores[name][a:b].read().result()
+            except ValueError as e:
+                raise CacheCorruptError(f"shard {shard}: cannot read {name} {what}: {e}") from e
+
+        offsets = read("offsets", 0, n + 1, f"samples 0..{n - 1}")
+        if hashlib.sha256(offsets[1:].tobytes()).hexdigest() != sums["offsets"]:
+            raise CacheCorruptError(f"shard {s}: offsets checksum mismatch (samples 0..{n - 1})")
+        if offsets[0] != 0 or offsets[-1] != n_tok or np.any(np.diff(offsets) <= 0):
+            raise CacheCorruptError(f"shard {s}: offsets are not increasing from 0 to {n_tok}")
+        block = spec.chunk_tokens
+        for name in spec.array_names:
+            blocks, tail = sums[name]["blocks"], sums[name]["tail"]
+            for b in range(-(-n_tok // block)):
+                t0, t1 = b * block, min((b + 1) * block, n_tok)
+                what = f"tokens {t0}..{t1 - 1}, {_samples_of(offsets, t0, t1)}"
+                want = blocks[b] if b < len(blocks) else tail
+                if fmt.sha256(read(name, t0, t1, what)) != want:
+                    raise CacheCorruptError(f"shard {s}: {name} checksum mismatch at {what}")
+    return sum(c[0] for c in counts)

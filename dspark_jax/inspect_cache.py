@@ -1,0 +1,112 @@
+"""Inspect a target cache (dspark_jax or DeepSpec v2 format).
+
+    python -m dspark_jax.inspect_cache PATH [--verify] [--allow_incomplete]
+                                            [--dump_sample=I --output=S.npz]
+
+Prints a JSON summary (format, num_samples, num_tokens, aux_layer_ids, hidden_size, dtypes,
+target, complete). ``--verify`` recomputes checksums (exit 1 with a message on corruption);
+``--dump_sample`` writes sample I's input_ids, loss_mask, aux_hidden [T, n_aux, H] and
+last_hidden [T, H] (hidden states as float32) to an .npz file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from dspark_jax import cache
+from dspark_jax.cache import deepspec
+from dspark_jax.cache import format as fmt
+from dspark_jax.cache.reader import committed_counts
+
+
+def summarize(path: str, allow_incomplete: bool = False) -> dict[str, Any]:
+    """JSON-able summary of the cache at ``path``."""
+    m = fmt.read_json(fmt.open_kvstore(path), fmt.MANIFEST)
+    if m is None:
+        raise FileNotFoundError(f"no {fmt.MANIFEST} in cache directory {path!r}")
+    if deepspec.is_deepspec(m):
+        ds = cache.DeepSpecDataSource(path)
+        n_aux, h = ds.num_aux, ds.hidden_size
+        return {
+            "format": "deepspec",
+            "num_samples": len(ds),
+            "num_tokens": int(ds.index["seq_len"].sum()),
+            "aux_layer_ids": ds.manifest.get("aux_layer_ids"),
+            "num_aux_layers": n_aux,
+            "hidden_size": h,
+            "dtypes": {
+                "input_ids": "int32",
+                "loss_mask": "uint8",
+                "aux_hidden": "bfloat16",
+                "last_hidden": "bfloat16",
+            },
+            "target": ds.manifest.get("target"),
+            "complete": True,
+        }
+    m = fmt.read_manifest(path)
+    counts = committed_counts(path, m, allow_incomplete=True)
+    spec = m["spec"]
+    return {
+        "format": fmt.FORMAT_NAME,
+        "format_version": m["format_version"],
+        "num_samples": m["num_samples"],
+        "num_tokens": m["num_tokens"],
+        "committed_samples": sum(c[0] for c in counts),
+        "committed_tokens": sum(c[1] for c in counts),
+        "num_shards": spec["num_shards"],
+        "aux_layer_ids": spec["aux_layer_ids"],
+        "hidden_size": spec["hidden_size"],
+        "engram_dim": spec["engram_dim"],
+        "dtypes": m["dtypes"],
+        "target": spec["target"],
+        "tokenizer_fingerprint": spec["tokenizer_fingerprint"],
+        "complete": m["complete"],
+    }
+
+
+def dump_sample(path: str, index: int, output: str, allow_incomplete: bool = False) -> None:
+    """Write sample ``index`` to ``output`` (.npz; local path or gs:// through tensorstore)."""
+    sample = cache.open_cache(path, allow_incomplete=allow_incomplete)[index]
+    arrays = {k: (v.astype(np.float32) if v.dtype == fmt.BF16 else v) for k, v in sample.items()}
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    parent, _, name = output.rstrip("/").rpartition("/")
+    fmt.open_kvstore(parent or ".").write(name, buf.getvalue()).result()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dspark_jax.inspect_cache", description=__doc__.split("\n")[0])
+    p.add_argument("path", help="cache directory (local or gs://)")
+    p.add_argument("--verify", action="store_true", help="recompute and check all checksums")
+    p.add_argument("--allow_incomplete", action="store_true", help="verify/dump committed samples only")
+    p.add_argument("--dump_sample", type=int, default=None, help="index of a sample to dump")
+    p.add_argument("--output", default=None, help=".npz file for --dump_sample")
+    args = p.parse_args(argv)
+    if args.dump_sample is not None and not args.output:
+        p.error("--dump_sample needs --output")
+    try:
+        summary = summarize(args.path, args.allow_incomplete)
+        print(json.dumps(summary, indent=1))
+        if args.verify:
+            if summary["format"] == "deepspec":
+                n = deepspec.verify_deepspec(args.path)
+            else:
+                n = cache.verify(args.path, allow_incomplete=args.allow_incomplete)
+            print(f"verify: OK ({n} samples)")
+        if args.dump_sample is not None:
+            dump_sample(args.path, args.dump_sample, args.output, args.allow_incomplete)
+            print(f"wrote sample {args.dump_sample} to {args.output}")
+    except (ValueError, FileNotFoundError, IndexError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

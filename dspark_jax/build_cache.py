@@ -1,6 +1,6 @@
 """Regenerate replies with the target and build the offline caches of a config.
 
-  python -m dspark_jax.build_cache [--config=configs/base.py:demo] [--split=all|train|val] [--dry_run]
+  python -m dspark_jax.build_cache [--config=configs/baseline.py:demo] [--split=all|train|val] [--dry_run]
       [--process_index=I --process_count=P]
 
 `--dry_run` regenerates (resumably) and tokenises, then prints the projected cache size in
@@ -12,18 +12,15 @@ final manifest. Rerunning resumes a killed build.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from dspark_jax import sharding
 from dspark_jax.cache.build import prepare_split
+from dspark_jax.cli import define_config_flag
 from dspark_jax.target import target_from_config
 
-DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "base.py") + ":demo"
-
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:preset].")
+_CONFIG = define_config_flag()
 _SPLIT = flags.DEFINE_enum("split", "all", ["all", "train", "val"], "Which cache to build.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the projected size in bytes and stop.")
 _PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "This builder's index among process_count.")

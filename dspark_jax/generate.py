@@ -1,6 +1,6 @@
 """Target generation over `{"turns": [...]}` prompts.
 
-  python -m dspark_jax.generate [--config=configs/base.py:demo] --input=IN.jsonl --output=OUT.jsonl \
+  python -m dspark_jax.generate [--config=configs/baseline.py:demo] --input=IN.jsonl --output=OUT.jsonl \
       [--max_new_tokens=N] [--temperature=T] [--top_p=P] [--seed=S]
 
 Each output line is `{"replies": [str per turn], "reply_ids": [[int] per turn]}`; greedy
@@ -14,16 +14,14 @@ import json
 from pathlib import Path
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from dspark_jax import sharding
+from dspark_jax.cli import define_config_flag
 from dspark_jax.data.conversations import read_turns_jsonl
 from dspark_jax.target import target_from_config
 from dspark_jax.target.generate import Generator, SamplingParams, generate_replies
 
-DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "base.py") + ":demo"
-
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:preset].")
+_CONFIG = define_config_flag()
 _INPUT = flags.DEFINE_string("input", None, "JSONL of {'turns': [...]} prompts.", required=True)
 _OUTPUT = flags.DEFINE_string("output", None, "Output JSONL path.", required=True)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Overrides config.generate.max_new_tokens.")

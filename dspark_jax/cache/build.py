@@ -154,6 +154,11 @@ def cache_root(config) -> Path:
     return Path(base) / config.preset
 
 
+def cache_path(config, target_fingerprint: str, split: str) -> str:
+    """The cache of one split ('train' or 'val') for a config and target."""
+    return str(cache_root(config) / target_fingerprint[:12] / f"{split}_cache")
+
+
 def prepare_split(
     config,
     split: str,
@@ -190,7 +195,7 @@ def prepare_split(
     conversations = [r["messages"] for r in records if "messages" in r]
     samples = tokenize_all(target, conversations, data.max_length)
     spec = cache_spec(target, data.aux_layer_ids, data.num_shards)
-    path = str(root / f"{split}_cache")
+    path = cache_path(config, target.fingerprint, split)
     report = {
         "split": split,
         "cache": path,

@@ -38,16 +38,23 @@ class FeatureExtractor:
       mesh: device mesh; batches are sharded over its data axes.
     """
 
-    def __init__(self, model: Transformer, aux_layer_ids: Sequence[int], *, tokens_per_batch: int = 8192,
-                 mesh: Mesh | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        aux_layer_ids: Sequence[int],
+        *,
+        tokens_per_batch: int = 8192,
+        mesh: Mesh | None = None,
+    ):
         for layer_id in aux_layer_ids:
             model.cfg.layer_index(layer_id)
         self.graphdef, self.state = nnx.split(model)
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.tokens_per_batch = tokens_per_batch
         self.mesh = mesh or sharding.make_mesh()
-        self._forward = jax.jit(functools.partial(_features, graphdef=self.graphdef,
-                                                  aux_layer_ids=self.aux_layer_ids))
+        self._forward = jax.jit(
+            functools.partial(_features, graphdef=self.graphdef, aux_layer_ids=self.aux_layer_ids)
+        )
 
     def batches(self, sequences: Sequence[np.ndarray]) -> Iterator[list[int]]:
         """Index groups, each a batch of one length bucket, longest buckets first."""
@@ -72,8 +79,9 @@ class FeatureExtractor:
                 n = len(sequences[index])
                 tokens[row, :n] = sequences[index]
                 valid[row, :n] = True
-            aux, last = self._forward(self.state, sharding.shard_batch(tokens, self.mesh),
-                                      sharding.shard_batch(valid, self.mesh))
+            aux, last = self._forward(
+                self.state, sharding.shard_batch(tokens, self.mesh), sharding.shard_batch(valid, self.mesh)
+            )
             aux, last = np.asarray(aux), np.asarray(last)
             for row, index in enumerate(group):
                 n = len(sequences[index])

@@ -114,6 +114,18 @@ def user_turns(conversation: Sequence[Message]) -> list[str]:
     return [m["content"] for m in conversation if m["role"] == "user"]
 
 
+def first_turns(conversation: Sequence[Message], max_user_turns: int) -> Conversation:
+    """The conversation cut before its `max_user_turns + 1`-th user message."""
+    out: Conversation = []
+    seen = 0
+    for message in conversation:
+        seen += message["role"] == "user"
+        if seen > max_user_turns:
+            break
+        out.append(message)
+    return out
+
+
 def system_prompt(conversation: Sequence[Message]) -> str | None:
     """The content of the leading system message, if any."""
     return conversation[0]["content"] if conversation and conversation[0]["role"] == "system" else None

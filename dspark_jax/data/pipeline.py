@@ -21,8 +21,10 @@ Batch dict (per process, `B = per_process_batch`, `T = max_length`, `N = num_anc
 `aux_hidden bf16[B,T,A,H]`, `last_hidden bf16[B,T,H]` (pad 0), optional
 `engram bf16[B,T,De]`, `anchors int32[B,N]`, `block_keep uint8[B,N]` (see
 `anchors.sample_anchors` for the padding convention), `seq_len int32[B]` (length after
-truncation). The iterator counts truncated records (`truncated_count`,
-a log line each time it passes a power of two) and that count is part of its checkpointed state.
+truncation), and per block (`K = block_size`): `labels int32[B,N,K]` (`x[a+1+i]`),
+`predecessors int32[B,N,K]` (`x[a+i]`, the Markov head's input) and `eval_mask uint8[B,N,K]`.
+The iterator counts truncated records (`truncated_count`, a log line each time it passes a
+power of two) and that count is part of its checkpointed state.
 
 Checkpointing with orbax (the iterator is a `grain.DatasetIterator`; its JSON state goes
 through grain's orbax handler, one file per process)::
@@ -77,9 +79,8 @@ class PipelineConfig:
     """Input pipeline settings.
 
     `batch_size` is the global batch (all processes); `num_epochs=None` repeats forever;
-    `worker_count > 0` prepares batches in that many grain worker processes. `block_size` does
-    not change the batches (anchors do not depend on it); it is the value consumers pass to
-    `anchors.eval_mask` / `block_labels`.
+    `worker_count > 0` prepares batches in that many grain worker processes. `block_size` sets
+    the width of the per-block fields (`labels`, `predecessors`, `eval_mask`).
     """
 
     max_length: int
@@ -135,6 +136,11 @@ def prepare_record(
         padded[:kept] = value[:kept]
         out[name] = padded
     out["anchors"], out["block_keep"] = anchors_lib.sample_anchors(out["loss_mask"], config.num_anchors, rng)
+    out["labels"] = anchors_lib.block_labels(out["input_ids"], out["anchors"], config.block_size)
+    out["predecessors"] = anchors_lib.markov_predecessors(out["input_ids"], out["anchors"], config.block_size)
+    out["eval_mask"] = anchors_lib.eval_mask(
+        out["loss_mask"], out["anchors"], out["block_keep"], config.block_size
+    )
     out["seq_len"] = np.int32(kept)
     out[_TRUNCATED] = np.uint8(length > config.max_length)
     return out

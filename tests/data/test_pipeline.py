@@ -61,7 +61,18 @@ def test_batch_layout_padding_and_truncation_count():
     it = P.make_iterator(source, config, process_index=0, process_count=1)
     (batch,) = list(it)
     assert sorted(batch) == sorted(
-        ["input_ids", "loss_mask", "aux_hidden", "last_hidden", "anchors", "block_keep", "seq_len"]
+        [
+            "input_ids",
+            "loss_mask",
+            "aux_hidden",
+            "last_hidden",
+            "anchors",
+            "block_keep",
+            "seq_len",
+            "labels",
+            "predecessors",
+            "eval_mask",
+        ]
     )
     shapes = {k: (v.shape, v.dtype) for k, v in batch.items()}
     assert shapes["input_ids"] == ((4, 16), np.int32)
@@ -71,6 +82,17 @@ def test_batch_layout_padding_and_truncation_count():
     assert shapes["anchors"] == ((4, 5), np.int32)
     assert shapes["block_keep"] == ((4, 5), np.uint8)
     assert shapes["seq_len"] == ((4,), np.int32)
+    for name in ("labels", "predecessors"):
+        assert shapes[name] == ((4, 5, 7), np.int32)
+    np.testing.assert_array_equal(
+        batch["eval_mask"], anchors_lib.eval_mask(batch["loss_mask"], batch["anchors"], batch["block_keep"])
+    )
+    np.testing.assert_array_equal(
+        batch["labels"], anchors_lib.block_labels(batch["input_ids"], batch["anchors"])
+    )
+    np.testing.assert_array_equal(
+        batch["predecessors"], anchors_lib.markov_predecessors(batch["input_ids"], batch["anchors"])
+    )
     assert it.truncated_count == 1 and it.sample_count == 4  # only the 20-token record
     for row, i in enumerate(_record_ids(batch)):
         rec = source[i]

@@ -1,0 +1,1 @@
+"""The DSpark block draft: model, heads and training objective."""

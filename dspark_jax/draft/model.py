@@ -1,0 +1,221 @@
+"""The DSpark block draft (Flax NNX): aux projection, block backbone, Markov and confidence heads.
+
+Notation (DESIGN.md section 2): a block with anchor `a` has `S = 7` slots at RoPE positions
+`a + k`; slot 0 holds `E(x[a])`, slots 1..6 `E(MASK)`; prediction `i` (slot i's output
+`h[i]`) predicts `x[a+1+i]`. Context features `c[j] = RMSNorm(W_aux [H_l1[j]; H_l2[j];
+H_l3[j]])` are visible to the block for `j < a` only. The Markov head adds
+`W2 W1[t_i]` to the logits `h[i] @ lm_head`, with predecessor `t_i = x[a+i]`; the
+confidence head reads `[h_i; m_i]`.
+
+The target's embedding and LM head are frozen inputs (`FrozenTarget`), not parameters.
+Variants extend the pieces here by composition: other block inputs, memory keys/values,
+or a different Markov head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.kernels.block_attention import BlockMemory, block_attention
+from dspark_jax.nn import AttentionProjections, Dtype, Linear, RMSNorm, SwiGLU, apply_rope, normal_init
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Shape of the draft. `hidden_size` and `vocab_size` must equal the target's.
+
+    Attributes:
+      num_aux: number of target layers in the context features (A).
+      mask_token_id: a spare target embedding row used as MASK; None = a learned vector.
+      attention: block attention implementation ('xla' or 'reference').
+      anchor_chunk: blocks per chunk of the XLA block attention.
+    """
+
+    hidden_size: int
+    vocab_size: int
+    num_aux: int
+    num_layers: int = 3
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    block_size: int = 7
+    markov_rank: int = 256
+    mask_token_id: int | None = None
+    attention: str = "xla"
+    anchor_chunk: int = 16
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"draft {self.num_heads=} must be a multiple of {self.num_kv_heads=}")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"draft mask_token_id={self.mask_token_id} outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def rope_inv_freq(self) -> np.ndarray:
+        return 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+
+
+class FrozenTarget(NamedTuple):
+    """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft."""
+
+    embedding_VxH: jax.Array
+    lm_head_HxV: jax.Array
+
+
+class DraftLayer(nnx.Module):
+    """A Qwen3-style layer whose K/V are `[context; memory; block]` under the block visibility rule."""
+
+    def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, param_dtype: Dtype, dtype: Dtype):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.cfg = cfg
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.attn = AttentionProjections(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            eps=cfg.rms_norm_eps,
+            use_bias=False,
+            qk_norm=True,
+            **kw,
+        )
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
+
+    def __call__(
+        self, x_BxNxSxH, ctx_BxTxH, anchors_BxN, inv_freq, memory_BxNxMxH=None, memory_valid_BxNxM=None
+    ):
+        b, n, s, _ = x_BxNxSxH.shape
+        slot_pos_BxQ = (anchors_BxN[:, :, None] + jnp.arange(s)).reshape(b, n * s)
+        h_BxQxH = self.input_norm(x_BxNxSxH).reshape(b, n * s, -1)
+        q = apply_rope(self.attn.queries(h_BxQxH), slot_pos_BxQ, inv_freq)
+        k_blk, v_blk = self.attn.keys_values(h_BxQxH)
+        k_blk = apply_rope(k_blk, slot_pos_BxQ, inv_freq)
+        k_ctx, v_ctx = self.attn.keys_values(ctx_BxTxH)  # context features are normed once, after W_aux
+        k_ctx = apply_rope(
+            k_ctx, jnp.broadcast_to(jnp.arange(ctx_BxTxH.shape[1]), ctx_BxTxH.shape[:2]), inv_freq
+        )
+        memory = None
+        if memory_BxNxMxH is not None:
+            m = memory_BxNxMxH.shape[2]
+            k_mem, v_mem = self.attn.keys_values(memory_BxNxMxH.reshape(b, n * m, -1))
+            mem_pos = (anchors_BxN[:, :, None] + 1 + jnp.arange(m)).reshape(b, -1)
+            memory = BlockMemory(
+                apply_rope(k_mem, mem_pos, inv_freq).reshape(b, n, m, *k_mem.shape[2:]),
+                v_mem.reshape(b, n, m, *v_mem.shape[2:]),
+                memory_valid_BxNxM,
+            )
+        blocks = lambda t: t.reshape(b, n, s, *t.shape[2:])
+        out = block_attention(
+            blocks(q),
+            k_ctx,
+            v_ctx,
+            blocks(k_blk),
+            blocks(v_blk),
+            anchors_BxN,
+            memory,
+            implementation=self.cfg.attention,
+            anchor_chunk=self.cfg.anchor_chunk,
+        )
+        x_BxNxSxH = x_BxNxSxH + self.attn.o(out).astype(x_BxNxSxH.dtype)
+        return x_BxNxSxH + self.mlp(self.post_attn_norm(x_BxNxSxH)).astype(x_BxNxSxH.dtype)
+
+
+class MarkovHead(nnx.Module):
+    """Vanilla low-rank Markov head: `m = W1[t]`, logit bias `W2 m`."""
+
+    def __init__(self, vocab: int, rank: int, *, rngs: nnx.Rngs, param_dtype: Dtype):
+        self.w1 = nnx.Param(normal_init(rngs, (vocab, rank), param_dtype), axes=("vocab", "rank"))
+        self.w2 = nnx.Param(normal_init(rngs, (rank, vocab), param_dtype), axes=("rank", "vocab"))
+
+    def features(self, predecessors_xK: jax.Array) -> jax.Array:
+        """`m [..., R]` for predecessor token ids."""
+        return jnp.take(self.w1.get_value(), predecessors_xK, axis=0)
+
+    def bias(self, m_xR: jax.Array) -> jax.Array:
+        """Float32 vocabulary bias `[..., V]`."""
+        return jnp.einsum(
+            "...r,rv->...v", m_xR, self.w2.get_value().astype(m_xR.dtype), preferred_element_type=jnp.float32
+        )
+
+
+class DSparkDraft(nnx.Module):
+    """The baseline DSpark draft. Parameters in `param_dtype`, activations in `dtype`."""
+
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Dtype = jnp.float32,
+        dtype: Dtype = jnp.float32,
+    ):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.cfg = cfg
+        self.dtype = dtype
+        h = cfg.hidden_size
+        self.aux_proj = Linear((cfg.num_aux * h,), (h,), ("aux", "embed"), **kw)
+        self.aux_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.layers = nnx.List([DraftLayer(cfg, **kw) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mask_embedding = (
+            nnx.Param(normal_init(rngs, (h,), param_dtype), axes=("embed",))
+            if cfg.mask_token_id is None
+            else None
+        )
+        self.markov = MarkovHead(cfg.vocab_size, cfg.markov_rank, rngs=rngs, param_dtype=param_dtype)
+        self.confidence = Linear((h + cfg.markov_rank,), (), ("embed",), use_bias=True, **kw)
+        self.inv_freq = nnx.Variable(jnp.asarray(cfg.rope_inv_freq(), jnp.float32))
+
+    def context(self, aux_BxTxAxH: jax.Array) -> jax.Array:
+        """Context features `c [B, T, H]` from the cached aux layer outputs."""
+        b, t, a, h = aux_BxTxAxH.shape
+        return self.aux_norm(self.aux_proj(aux_BxTxAxH.reshape(b, t, a * h)))
+
+    def mask_vector(self, frozen: FrozenTarget) -> jax.Array:
+        if self.mask_embedding is None:
+            return frozen.embedding_VxH[self.cfg.mask_token_id]
+        return self.mask_embedding.get_value()
+
+    def block_inputs(self, frozen: FrozenTarget, anchor_tokens_BxN: jax.Array) -> jax.Array:
+        """Baseline block inputs `[E(x[a]), E(MASK) x (S-1)]`, `[B, N, S, H]`."""
+        anchor_BxNx1xH = jnp.take(frozen.embedding_VxH, anchor_tokens_BxN, axis=0)[:, :, None]
+        b, n = anchor_tokens_BxN.shape
+        mask_BxNxMxH = jnp.broadcast_to(
+            self.mask_vector(frozen), (b, n, self.cfg.block_size - 1, self.cfg.hidden_size)
+        )
+        return jnp.concatenate([anchor_BxNx1xH, mask_BxNxMxH.astype(anchor_BxNx1xH.dtype)], axis=2).astype(
+            self.dtype
+        )
+
+    def backbone(self, x_BxNxSxH, ctx_BxTxH, anchors_BxN, memory_BxNxMxH=None, memory_valid_BxNxM=None):
+        """Final draft states `h [B, N, S, H]` (after the final RMSNorm)."""
+        inv_freq = self.inv_freq.get_value()
+        for layer in self.layers:
+            x_BxNxSxH = layer(x_BxNxSxH, ctx_BxTxH, anchors_BxN, inv_freq, memory_BxNxMxH, memory_valid_BxNxM)
+        return self.final_norm(x_BxNxSxH)
+
+    def heads(
+        self, frozen: FrozenTarget, h_xSxH: jax.Array, predecessors_xS: jax.Array
+    ) -> dict[str, jax.Array]:
+        """Corrected logits `l = h @ lm_head + W2 W1[t]` (float32 `[..., S, V]`) and confidence logits."""
+        m_xSxR = self.markov.features(predecessors_xS).astype(self.dtype)
+        logits = jnp.einsum(
+            "...h,hv->...v",
+            h_xSxH.astype(self.dtype),
+            frozen.lm_head_HxV.astype(self.dtype),
+            preferred_element_type=jnp.float32,
+        )
+        logits = logits + self.markov.bias(m_xSxR)
+        confidence = self.confidence(jnp.concatenate([h_xSxH.astype(self.dtype), m_xSxR], axis=-1))
+        return {"logits": logits, "confidence_logit": confidence.astype(jnp.float32)}

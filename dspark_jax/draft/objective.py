@@ -1,0 +1,197 @@
+"""DSpark training objective and teacher-forced offline metrics (DESIGN.md section 2), chunked over anchors.
+
+Notation: `B` samples, `N` anchors (blocks) per sample, `K = 7` predictions per block, `H` hidden size,
+`V` vocabulary, `C` anchors per chunk. Prediction `i` of the block at anchor `a` predicts `x[a+1+i]`
+(`labels`), its teacher is `p_i = softmax(S[a+i] @ lm_head)` (`teacher_hidden` holds `S[a+i]`), the
+draft distribution is `q_i = softmax(l_i)` with the Markov-corrected logits `l_i` of a caller-supplied
+head, and the overlap is `a_i = sum_v min(p_i, q_i)`. With `w_i = exp(-i/4) * eval_mask_i`:
+
+    L = 0.1 * CE + 0.9 * L1 + 1.0 * BCE,   each term = sum(w * term) / sum(w),
+
+`CE = -log q_i[label]`, `L1 = sum_v |p_i - q_i|`, `BCE` = binary cross-entropy with logits of the
+confidence logit `s_i` against the soft target `stop_gradient(a_i)`.
+
+Global normalisation. Numerators and the denominator are summed over the *global* batch (all devices
+and all micro-batches of one optimizer step) before dividing, so `block_objective_sums` returns sums
+and `loss_from_sums` / `metrics_from_sums` divide them. The denominator `sum(w)` depends only on the
+eval masks, never on parameters, so a gradient-accumulating trainer can compute it for the whole step
+first (`position_weights(eval_mask).sum()` over every micro-batch) and differentiate, per micro-batch,
+`weighted_loss(sums, global_weight)`; the sum of those micro-batch losses (and of their gradients)
+equals the loss (and gradient) of the whole global batch.
+
+Memory. The vocabulary tensors (`[B, C, K, V]` logits, probabilities, log-probabilities for teacher
+and draft) exist for one chunk of `C` anchors at a time: chunks run under `jax.lax.scan` and each chunk
+body is wrapped in `jax.checkpoint`, so the backward pass recomputes them chunk by chunk instead of
+storing them for all `N` anchors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+POSITION_DECAY = 4.0
+LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
+
+HeadFn = Callable[[dict[str, jax.Array]], Mapping[str, jax.Array | Mapping[str, jax.Array]]]
+
+
+def position_weights(eval_mask_xK: jax.Array) -> jax.Array:
+    """Loss weights `w_i = exp(-i / POSITION_DECAY) * eval_mask_i`: f32[..., K] for a mask [..., K]."""
+    num_predictions = eval_mask_xK.shape[-1]
+    decay_K = jnp.exp(-jnp.arange(num_predictions, dtype=jnp.float32) / POSITION_DECAY)
+    return decay_K * eval_mask_xK.astype(jnp.float32)
+
+
+def _chunk_sums(
+    head_fn: HeadFn,
+    lm_head_HxV: jax.Array,
+    inputs: dict[str, jax.Array],
+    teacher_hidden_BxCxKxH: jax.Array,
+    labels_BxCxK: jax.Array,
+    eval_mask_BxCxK: jax.Array,
+) -> dict[str, jax.Array]:
+    """All sums of one chunk of `C` anchors; see `block_objective_sums` for the keys."""
+    out = head_fn(inputs)
+    logits_BxCxKxV = out["logits"].astype(jnp.float32)
+    conf_logit_BxCxK = out["confidence_logit"].astype(jnp.float32)
+    teacher_logits_BxCxKxV = jnp.einsum(
+        "bckh,hv->bckv",
+        teacher_hidden_BxCxKxH,
+        jax.lax.stop_gradient(lm_head_HxV),
+        preferred_element_type=jnp.float32,
+    )
+    p_BxCxKxV = jax.nn.softmax(teacher_logits_BxCxKxV, axis=-1)
+    log_q_BxCxKxV = jax.nn.log_softmax(logits_BxCxKxV, axis=-1)
+    q_BxCxKxV = jnp.exp(log_q_BxCxKxV)
+
+    mask_BxCxK = eval_mask_BxCxK.astype(jnp.float32)
+    valid_BxCxK = mask_BxCxK > 0
+    ce_BxCxK = -jnp.take_along_axis(log_q_BxCxKxV, labels_BxCxK[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    l1_BxCxK = jnp.sum(jnp.abs(p_BxCxKxV - q_BxCxKxV), axis=-1)
+    overlap_BxCxK = jax.lax.stop_gradient(jnp.sum(jnp.minimum(p_BxCxKxV, q_BxCxKxV), axis=-1))
+    bce_BxCxK = jax.nn.softplus(conf_logit_BxCxK) - overlap_BxCxK * conf_logit_BxCxK
+    conf_err_BxCxK = jax.nn.sigmoid(conf_logit_BxCxK) - overlap_BxCxK
+
+    weight_BxCxK = position_weights(mask_BxCxK)
+
+    def masked(term_BxCxK: jax.Array, scale_BxCxK: jax.Array) -> jax.Array:
+        return jnp.sum(scale_BxCxK * jnp.where(valid_BxCxK, term_BxCxK, 0.0))
+
+    accepted_BxCxK = jnp.where(valid_BxCxK, overlap_BxCxK * mask_BxCxK, 0.0)
+    valid_block_BxC = mask_BxCxK[..., 0] > 0
+    tau_BxC = 1.0 + jnp.sum(jnp.cumprod(accepted_BxCxK, axis=-1), axis=-1)
+    sums = {
+        "ce": masked(ce_BxCxK, weight_BxCxK),
+        "l1": masked(l1_BxCxK, weight_BxCxK),
+        "bce": masked(bce_BxCxK, weight_BxCxK),
+        "weight": jnp.sum(weight_BxCxK),
+        "ce_unweighted": masked(ce_BxCxK, mask_BxCxK),
+        "l1_unweighted": masked(l1_BxCxK, mask_BxCxK),
+        "bce_unweighted": masked(bce_BxCxK, mask_BxCxK),
+        "tau": jnp.sum(jnp.where(valid_block_BxC, tau_BxC, 0.0)),
+        "blocks": jnp.sum(valid_block_BxC.astype(jnp.float32)),
+        "accept": jnp.sum(accepted_BxCxK, axis=(0, 1)),
+        "accept_count": jnp.sum(mask_BxCxK, axis=(0, 1)),
+        "conf_abs_err": masked(jnp.abs(conf_err_BxCxK), mask_BxCxK),
+        "conf_bias": masked(conf_err_BxCxK, mask_BxCxK),
+        "predictions": jnp.sum(mask_BxCxK),
+    }
+    extra = {name: jnp.asarray(value, jnp.float32) for name, value in out.get("extra_sums", {}).items()}
+    if clash := sorted(set(extra) & set(sums)):
+        raise ValueError(f"head_fn extra_sums reuse reserved names {clash}")
+    return sums | extra
+
+
+def block_objective_sums(
+    head_fn: HeadFn,
+    head_inputs: Mapping[str, jax.Array],
+    teacher_hidden_BxNxKxH: jax.Array,
+    lm_head_HxV: jax.Array,
+    labels_BxNxK: jax.Array,
+    eval_mask_BxNxK: jax.Array,
+    *,
+    anchor_chunk: int,
+) -> dict[str, jax.Array]:
+    """Loss numerators, denominators and metric sums of `B x N` blocks, `anchor_chunk` anchors at a time.
+
+    `head_fn(chunk_inputs)` gets `{k: v[:, n0:n0+C]}` for every `head_inputs` entry (all sliced along
+    the anchor axis 1; the trainable parameters live in `head_fn`'s closure) and returns
+    `logits` f32[B, C, K, V] (the corrected draft logits `l_i`), `confidence_logit` f32[B, C, K] and
+    optionally `extra_sums` (a dict of arrays, summed over chunks). `N` is padded up to a multiple of
+    `C = min(anchor_chunk, N)` with zeros (eval_mask 0), so `head_fn` must stay finite on zero inputs.
+
+    Inputs: `teacher_hidden_BxNxKxH` = `S[a+i]` (bf16 is fine), `lm_head_HxV` (frozen: stop_gradient),
+    `labels_BxNxK` int = `x[a+1+i]`, `eval_mask_BxNxK` 0/1, cumulative over i and 0 on padded blocks.
+    Teacher logits accumulate in fp32; all losses are fp32.
+
+    Returns f32 sums: `ce`, `l1`, `bce` (position-weighted numerators), `weight` (sum of `w`),
+    `ce_unweighted`, `l1_unweighted`, `bce_unweighted` (over valid predictions, no decay), `tau` (sum
+    of per-block tau_prob over valid blocks), `blocks` (valid blocks: `eval_mask[..., 0] = 1`),
+    `accept` [K] (sum of `a_i * eval_mask_i`), `accept_count` [K] (sum of `eval_mask_i`),
+    `conf_abs_err` and `conf_bias` (sums of `|sigmoid(s_i) - a_i|` and `sigmoid(s_i) - a_i` over valid
+    predictions), `predictions` (valid predictions), plus the `extra_sums` of `head_fn`.
+    """
+    if anchor_chunk < 1:
+        raise ValueError(f"anchor_chunk must be >= 1, got {anchor_chunk}")
+    num_anchors = eval_mask_BxNxK.shape[1]
+    chunk = min(anchor_chunk, num_anchors)
+    num_chunks = -(-num_anchors // chunk)
+    pad = num_chunks * chunk - num_anchors
+
+    def to_chunks(x_BxNx: jax.Array) -> jax.Array:
+        """[B, N, ...] -> [num_chunks, B, C, ...], zero-padded along N."""
+        x_BxNx = jnp.pad(x_BxNx, [(0, 0), (0, pad)] + [(0, 0)] * (x_BxNx.ndim - 2))
+        x_BxMxCx = x_BxNx.reshape(x_BxNx.shape[0], num_chunks, chunk, *x_BxNx.shape[2:])
+        return jnp.moveaxis(x_BxMxCx, 1, 0)
+
+    xs = jax.tree.map(to_chunks, (dict(head_inputs), teacher_hidden_BxNxKxH, labels_BxNxK, eval_mask_BxNxK))
+    body = jax.checkpoint(lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, *chunk_xs), prevent_cse=False)
+    _, per_chunk = jax.lax.scan(lambda carry, chunk_xs: (carry, body(chunk_xs)), None, xs)
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_chunk)
+
+
+def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+    """`num / den`, 0 where `den == 0` (gradient-safe)."""
+    nonzero = den > 0
+    return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
+
+
+def weighted_loss(sums: Mapping[str, jax.Array], global_weight: jax.Array) -> jax.Array:
+    """`(0.1 * ce + 0.9 * l1 + bce) / global_weight`: one micro-batch's share of the global loss."""
+    numerator = sum(LOSS_WEIGHTS[name] * sums[name] for name in ("ce", "l1", "bce"))
+    return _safe_div(numerator, jnp.asarray(global_weight, jnp.float32))
+
+
+def loss_from_sums(sums: Mapping[str, jax.Array]) -> jax.Array:
+    """The DSpark loss of globally summed `sums`; 0 when no prediction is valid."""
+    return weighted_loss(sums, sums["weight"])
+
+
+def metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """Scalar metrics of globally summed `sums` (`extra_sums` entries are left to the caller).
+
+    Keys: `loss`; `ce`, `l1`, `bce` (position-weighted, as in the loss); `ce_per_token`,
+    `l1_per_token`, `bce_per_token` (plain means over valid predictions); `tau_prob`;
+    `accept_rate@0` .. `accept_rate@{K-1}`; `confidence_abs_error`, `confidence_bias`;
+    `valid_blocks`, `valid_predictions`. Ratios with a zero denominator are 0.
+    """
+    weight, predictions = sums["weight"], sums["predictions"]
+    metrics = {
+        "loss": loss_from_sums(sums),
+        **{name: _safe_div(sums[name], weight) for name in ("ce", "l1", "bce")},
+        **{
+            f"{name}_per_token": _safe_div(sums[f"{name}_unweighted"], predictions)
+            for name in ("ce", "l1", "bce")
+        },
+        "tau_prob": _safe_div(sums["tau"], sums["blocks"]),
+        "confidence_abs_error": _safe_div(sums["conf_abs_err"], predictions),
+        "confidence_bias": _safe_div(sums["conf_bias"], predictions),
+        "valid_blocks": sums["blocks"],
+        "valid_predictions": predictions,
+    }
+    accept_rate_K = _safe_div(sums["accept"], sums["accept_count"])
+    metrics |= {f"accept_rate@{i}": accept_rate_K[i] for i in range(accept_rate_K.shape[0])}
+    return metrics

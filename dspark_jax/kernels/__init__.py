@@ -1,0 +1,1 @@
+"""Attention kernels of the draft: block attention over `[context; memory; block]` keys/values."""

@@ -1,0 +1,1 @@
+"""Training infrastructure: optimizer and schedule, orbax checkpoints, preemption, metrics, progress."""

@@ -1,0 +1,183 @@
+"""Orbax checkpoints: the train state, the grain iterator state and a JSON meta item.
+
+One step directory per saved step, three items inside::
+
+    <directory>/<step>/state      params + opt_state + step (orbax StandardSave, any sharding)
+    <directory>/<step>/data_iter  the grain iterator state, one JSON file per process
+    <directory>/<step>/meta       a small JSON dict (config, metrics step, ...)
+
+`directory` may be a local path or `gs://...`. Restoring takes an abstract state
+(`jax.ShapeDtypeStruct`s carrying shardings) so the arrays land sharded as requested,
+whatever mesh they were saved from. Before reading, the saved tree is checked against the
+abstract one and the first mismatching key path is named; dtypes may differ (orbax casts).
+
+Usage::
+
+    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=3)
+    if (step := ckpt.latest_step()) is not None:
+        state, meta = ckpt.restore(step, abstract_state, data_iter=it)
+    ...
+    ckpt.save(step, state, data_iter=it, meta={"config": config.to_dict()})
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import grain
+import grain.checkpoint
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+_STATE, _DATA_ITER, _META = "state", "data_iter", "meta"
+
+DataIterator = grain.DatasetIterator | grain.DataLoaderIterator
+
+
+class Checkpointer:
+    """A thin `ocp.CheckpointManager` over the `state`, `data_iter` and `meta` items.
+
+    `save_interval_steps` makes `save` skip steps that are not a multiple of it, the
+    first step of a run included, unless `force`; a step already saved is skipped too.
+    `max_to_keep=None` keeps every step. `async_save=True` returns from `save` once the
+    arrays are copied to host and writes them in the background (the iterator
+    state and meta are written before `save` returns).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = 3,
+        save_interval_steps: int = 1,
+        async_save: bool = False,
+    ):
+        self.directory = epath.Path(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            # Exactly the multiples of the interval: no orbax initial save, and preemption
+            # saves come from `PreemptionGuard` + `force=True`.
+            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(save_interval_steps),
+            create=True,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+        )
+        handlers = {
+            _STATE: ocp.StandardCheckpointHandler(),
+            _DATA_ITER: grain.checkpoint.CheckpointHandler(),
+            _META: ocp.JsonCheckpointHandler(),
+        }
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def latest_step(self) -> int | None:
+        """The newest complete step in the directory, or None when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Every complete step in the directory, ascending."""
+        return sorted(self._manager.all_steps())
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        data_iter: DataIterator | None = None,
+        meta: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves `state` (and the iterator, and `meta`) as `step`; returns whether it saved.
+
+        Skips a step off `save_interval_steps` unless `force`, and a step that is already
+        saved. `meta` must be JSON-serialisable.
+        """
+        if step in self._manager.all_steps():
+            return False
+        items: dict[str, ocp.args.CheckpointArgs] = {
+            _STATE: ocp.args.StandardSave(state),
+            _META: ocp.args.JsonSave(dict(meta or {})),
+        }
+        if data_iter is not None:
+            items[_DATA_ITER] = grain.checkpoint.CheckpointSave(data_iter)
+        return self._manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+    def restore(
+        self, step: int | None, abstract_state: Any, *, data_iter: DataIterator | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """Restores `step` (None: the latest) into the layout of `abstract_state`.
+
+        `abstract_state` is a pytree of `jax.ShapeDtypeStruct`s (with shardings) or arrays
+        shaped like the saved state. `data_iter`, when given, is set in place to the saved
+        iterator position. Returns `(state, meta)`.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        if step not in self._manager.all_steps():
+            saved_steps = self.all_steps()
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self.directory} (saved: {saved_steps})"
+            )
+        saved = self._manager.item_metadata(step)
+        _check_matches(saved[_STATE], abstract_state, where=self.directory / str(step))
+        items: dict[str, ocp.args.CheckpointArgs] = {
+            _STATE: ocp.args.StandardRestore(abstract_state),
+            _META: ocp.args.JsonRestore(),
+        }
+        if data_iter is not None:
+            if _DATA_ITER not in saved:
+                raise ValueError(f"checkpoint {self.directory / str(step)} holds no data iterator state")
+            items[_DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iter)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return restored[_STATE], dict(restored[_META] or {})
+
+    def wait(self) -> None:
+        """Blocks until a background save has finished."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """`{'params.layer.kernel': shape}` for every leaf of `tree` (arrays or metadata)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="."): tuple(getattr(leaf, "shape", ()))
+        for path, leaf in leaves
+    }
+
+
+def _check_matches(saved_metadata: Any, abstract_state: Any, *, where: epath.Path) -> None:
+    """Raises a ValueError naming the first key path where the saved tree and the target differ."""
+    saved = _flat_shapes(saved_metadata)
+    target = _flat_shapes(abstract_state)
+    problem = None
+    for name, shape in target.items():
+        if name not in saved:
+            problem = f"{name!r} is in the target state but not in the checkpoint"
+        elif saved[name] != shape:
+            problem = f"{name!r} has shape {saved[name]} in the checkpoint but {shape} in the target state"
+        if problem:
+            break
+    else:
+        extra = [name for name in saved if name not in target]
+        if extra:
+            problem = f"{extra[0]!r} is in the checkpoint but not in the target state"
+    if problem:
+        raise ValueError(
+            f"checkpoint {where} does not match the model/optimizer being restored: {problem} "
+            f"(saved by a different config? use a fresh checkpoint directory)"
+        )

@@ -1,0 +1,218 @@
+"""The training loop: `train(config, workdir)`.
+
+Reads like the run it performs: mesh, target side and caches, draft and optimizer, input
+pipelines, checkpoint restore, then the loop (one optimizer step over `grad_accum`
+micro-batches, metrics of step N-1 fetched after step N is dispatched, evaluation,
+checkpoints, preemption). Rerunning with the same work directory resumes from the latest
+checkpoint, with the data iterator exactly where it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from dspark_jax import sharding
+from dspark_jax.data.pipeline import make_iterator, to_global
+from dspark_jax.draft import objective
+from dspark_jax.train import experiment
+from dspark_jax.train import step as step_lib
+from dspark_jax.train.checkpoint import Checkpointer
+from dspark_jax.train.metrics_writer import MetricWriter
+from dspark_jax.train.optimizer import make_optimizer, make_schedule
+from dspark_jax.train.preemption import PreemptionGuard
+from dspark_jax.train.progress import ProgressLogger
+
+log = logging.getLogger(__name__)
+
+DEVICE_FIELDS = ("input_ids", "aux_hidden", "last_hidden", "anchors", "labels", "predecessors", "eval_mask")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite; the message names the step."""
+
+
+def split_micro_batches(batch: Mapping[str, np.ndarray], num: int) -> list[dict[str, np.ndarray]]:
+    """The device fields of a per-process batch cut into `num` equal micro-batches."""
+    rows = batch["input_ids"].shape[0]
+    if rows % num:
+        raise ValueError(
+            f"per-process batch of {rows} rows does not split into train.grad_accum={num} micro-batches"
+        )
+    size = rows // num
+    return [{k: batch[k][i * size : (i + 1) * size] for k in DEVICE_FIELDS} for i in range(num)]
+
+
+def validate(config) -> None:
+    """Fails early, naming the config key, on settings that cannot work together."""
+    t = config.train
+    if t.global_batch % t.grad_accum:
+        raise ValueError(
+            f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"
+        )
+    if not 0 < t.stop_step <= t.total_steps:
+        raise ValueError(f"train.stop_step={t.stop_step} must be in [1, train.total_steps={t.total_steps}]")
+    if len(config.data.aux_layer_ids) < 1:
+        raise ValueError("data.aux_layer_ids must name at least one target layer")
+    if config.draft.block_size != 7:
+        log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
+
+
+def evaluate(
+    eval_sums, params, rest, frozen, batches: Iterator[Mapping[str, np.ndarray]], mesh, max_batches: int
+) -> dict[str, float]:
+    """Teacher-forced metrics over validation batches (all of them when `max_batches` is 0)."""
+    total = None
+    for index, batch in enumerate(batches):
+        if max_batches and index >= max_batches:
+            break
+        sums = eval_sums(params, rest, frozen, to_global({k: batch[k] for k in DEVICE_FIELDS}, mesh))
+        total = sums if total is None else step_lib.accumulate(total, sums)
+    if total is None:
+        raise ValueError("the validation cache yields no batch; it needs at least one micro-batch of samples")
+    return {k: float(v) for k, v in jax.device_get(objective.metrics_from_sums(total)).items()}
+
+
+def _scalars(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
+    return {f"{prefix}/{k}": float(v) for k, v in jax.device_get(dict(metrics)).items()}
+
+
+def train(config, workdir: str | Path) -> dict[str, float]:
+    """Trains the draft described by `config` in `workdir`; returns the last logged metrics."""
+    validate(config)
+    workdir = Path(workdir)
+    t = config.train
+
+    # ---- Mesh, target side, caches -------------------------------------------------------
+    mesh = sharding.make_mesh(config.mesh.to_dict())
+    side, cache_paths = experiment.prepare_target_side(config, mesh)
+    train_source = experiment.open_source(cache_paths["train"], config, side)
+    val_source = experiment.open_source(cache_paths["val"], config, side)
+    log.info("caches: train %d samples, val %d samples", len(train_source), len(val_source))
+
+    # ---- Draft, optimizer -------------------------------------------------------------------
+    graphdef, params, rest = experiment.init_draft(config, side.config, mesh)
+    schedule = make_schedule(t.peak_lr, t.total_steps, t.warmup_fraction)
+    optimizer = make_optimizer(
+        schedule, weight_decay=t.weight_decay, clip_norm=t.clip_norm, b1=t.b1, b2=t.b2, eps=t.eps
+    )
+    opt_state = jax.jit(optimizer.init)(params)
+
+    # ---- Input pipelines ----------------------------------------------------------------------
+    micro_rows = t.global_batch // t.grad_accum
+    train_iter = make_iterator(
+        train_source,
+        experiment.pipeline_config(
+            config, side, batch_size=t.global_batch, seed=config.seed, num_epochs=None
+        ),
+    )
+
+    def val_batches():
+        return make_iterator(
+            val_source,
+            experiment.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1),
+        )
+
+    # ---- Checkpoint restore -------------------------------------------------------------------
+    checkpointer = Checkpointer(
+        workdir / "checkpoints", max_to_keep=t.max_to_keep, save_interval_steps=t.checkpoint_every
+    )
+    state = {"params": params, "opt_state": opt_state}
+    start = checkpointer.latest_step() or 0
+    if start:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        state, _ = checkpointer.restore(start, abstract, data_iter=train_iter)
+        log.info("resumed from step %d", start)
+    writer = MetricWriter(workdir, resume_step=start)
+    progress = ProgressLogger(t.stop_step, start)
+
+    # ---- Compiled steps -----------------------------------------------------------------------
+    micro_step = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef))
+    accumulate = jax.jit(step_lib.accumulate, donate_argnums=0)
+    apply_step = jax.jit(functools.partial(step_lib.apply_step, optimizer=optimizer), donate_argnums=(0, 1))
+    eval_sums = jax.jit(lambda p, r, f, b: step_lib.draft_sums(nnx.merge(graphdef, p, r), f, b))
+
+    # ---- Loop ---------------------------------------------------------------------------------
+    last: dict[str, float] = {}
+    pending = None  # (step, device metrics, host stats) of the step before the current one
+
+    def finish(record):
+        """Fetches a dispatched step's metrics, checks them and logs them."""
+        nonlocal last
+        step, device_metrics, host = record
+        metrics = _scalars(device_metrics, "train") | host
+        if not math.isfinite(metrics["train/loss"]) or not math.isfinite(metrics["train/grad_norm"]):
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient at step {step}: loss={metrics['train/loss']}, "
+                f"grad_norm={metrics['train/grad_norm']}; the last checkpoint is intact"
+            )
+        if step % t.log_every == 0 or step == t.stop_step:
+            writer.write(step, metrics)
+            last = metrics
+        progress.update(step, {"loss": metrics["train/loss"], "tau": metrics["train/tau_prob"]})
+
+    with PreemptionGuard() as guard:
+        for step in range(start + 1, t.stop_step + 1):
+            began = time.perf_counter()
+            batch = next(train_iter)
+            micro_batches = split_micro_batches(batch, t.grad_accum)
+            weight = step_lib.global_weight([mb["eval_mask"] for mb in micro_batches])
+            if jax.process_count() > 1:  # the denominator spans the global batch
+                weight = np.float32(multihost_utils.process_allgather(weight).sum())
+            grads = sums = None
+            for micro_batch in micro_batches:
+                g, s = micro_step(state["params"], rest, side.frozen, to_global(micro_batch, mesh), weight)
+                grads, sums = (g, s) if grads is None else (accumulate(grads, g), accumulate(sums, s))
+            params, opt_state, grad_norm = apply_step(state["params"], state["opt_state"], grads)
+            state = {"params": params, "opt_state": opt_state}
+            device_metrics = objective.metrics_from_sums(sums) | {
+                "grad_norm": grad_norm,
+                "learning_rate": schedule(step - 1),
+            }
+            if pending is not None:
+                finish(pending)
+            tokens = int(batch["seq_len"].sum()) * jax.process_count()
+            seconds = time.perf_counter() - began
+            host = {
+                "train/step_seconds": seconds,
+                "train/tokens_per_second": tokens / seconds,
+                "train/anchors_per_sample": float(batch["block_keep"].sum(axis=1).mean()),
+            }
+            pending = (step, device_metrics, host)
+
+            if step % t.checkpoint_every == 0 or step == t.stop_step or guard.should_stop(step):
+                finish(pending)  # never checkpoint a non-finite state
+                pending = None
+                checkpointer.save(step, state, data_iter=train_iter, meta={"step": step}, force=True)
+            if (t.eval_every and step % t.eval_every == 0) or step == t.stop_step:
+                if pending is not None:
+                    finish(pending)
+                    pending = None
+                metrics = evaluate(
+                    eval_sums, state["params"], rest, side.frozen, val_batches(), mesh, t.eval_batches
+                )
+                writer.write(step, {f"eval/{k}": v for k, v in metrics.items()})
+                last = last | {f"eval/{k}": v for k, v in metrics.items()}
+                log.info(
+                    "step %d eval: tau_prob %.4f, accept_rate@0 %.4f",
+                    step,
+                    metrics["tau_prob"],
+                    metrics["accept_rate@0"],
+                )
+            if guard.requested:
+                log.warning("preemption requested: saved step %d, exiting", step)
+                break
+    checkpointer.wait()
+    checkpointer.close()
+    writer.close()
+    return last

@@ -1,0 +1,70 @@
+"""Draft model: the visibility rule end to end through the 3-layer backbone, and MASK handling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
+
+CFG = DraftConfig(
+    hidden_size=32,
+    vocab_size=50,
+    num_aux=3,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    markov_rank=16,
+    anchor_chunk=2,
+)
+
+
+def _setup(cfg=CFG, t=24):
+    model = DSparkDraft(cfg, rngs=nnx.Rngs(0))
+    keys = jax.random.split(jax.random.key(1), 3)
+    frozen = FrozenTarget(
+        jax.random.normal(keys[0], (cfg.vocab_size, cfg.hidden_size)),
+        jax.random.normal(keys[1], (cfg.hidden_size, cfg.vocab_size)),
+    )
+    aux = jax.random.normal(keys[2], (1, t, cfg.num_aux, cfg.hidden_size))
+    return model, frozen, aux
+
+
+def _outputs(model, frozen, aux, anchors, tokens):
+    ctx = model.context(aux)
+    return model.backbone(model.block_inputs(frozen, tokens), ctx, anchors)
+
+
+@pytest.mark.parametrize("attention", ["xla", "reference"])
+def test_block_sees_only_context_before_its_anchor(attention):
+    cfg = DraftConfig(**{**CFG.__dict__, "attention": attention})
+    model, frozen, aux = _setup(cfg)
+    anchors = jnp.asarray([[3, 9, 15]])
+    tokens = jnp.asarray([[5, 6, 7]])
+    base = np.asarray(_outputs(model, frozen, aux, anchors, tokens))
+    later = np.asarray(_outputs(model, frozen, aux.at[:, 9:].add(3.0), anchors, tokens))
+    np.testing.assert_array_equal(later[:, :2], base[:, :2])  # blocks at 3 and 9 never see j >= 9
+    assert not np.allclose(later[:, 2], base[:, 2])  # block at 15 sees 9..14
+    at_anchor = np.asarray(_outputs(model, frozen, aux.at[:, 9].add(3.0), anchors, tokens))
+    np.testing.assert_array_equal(at_anchor[:, 1], base[:, 1])  # the anchor's own target state is hidden
+    earlier = np.asarray(_outputs(model, frozen, aux.at[:, 8].add(3.0), anchors, tokens))
+    assert not np.allclose(earlier[:, 1], base[:, 1])
+    other = np.asarray(_outputs(model, frozen, aux, anchors, tokens.at[:, 0].set(11)))
+    np.testing.assert_array_equal(other[:, 1:], base[:, 1:])  # another block's inputs
+    assert not np.allclose(other[:, 0], base[:, 0])
+
+
+def test_mask_token_row_or_learned_vector():
+    model, frozen, _ = _setup()
+    x = model.block_inputs(frozen, jnp.asarray([[4]]))
+    np.testing.assert_array_equal(np.asarray(x[0, 0, 0]), np.asarray(frozen.embedding_VxH[4]))
+    np.testing.assert_array_equal(np.asarray(x[0, 0, 3]), np.asarray(model.mask_embedding.get_value()))
+    spare = DSparkDraft(DraftConfig(**{**CFG.__dict__, "mask_token_id": 49}), rngs=nnx.Rngs(0))
+    assert spare.mask_embedding is None
+    y = spare.block_inputs(frozen, jnp.asarray([[4]]))
+    np.testing.assert_array_equal(
+        np.asarray(y[0, 0, 1:]), np.broadcast_to(np.asarray(frozen.embedding_VxH[49]), (6, 32))
+    )

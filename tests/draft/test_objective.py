@@ -1,0 +1,290 @@
+"""The DSpark objective and offline metrics against an independent float64 numpy computation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.draft import objective
+
+K = 7
+
+
+def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask):
+    """DESIGN.md section 2, dense float64 with explicit loops: (sums, metrics)."""
+    B, N = labels.shape[:2]
+    logits, conf_logit = np.float64(logits), np.float64(conf_logit)
+    teacher_logits = np.float64(teacher_hidden) @ np.float64(lm_head)
+    s = dict.fromkeys(("ce", "l1", "bce", "weight", "tau", "blocks", "conf_abs_err", "conf_bias"), 0.0)
+    accept, accept_count = np.zeros(K), np.zeros(K)
+    for b in range(B):
+        for n in range(N):
+            prod, tau = 1.0, 1.0
+            for i in range(K):
+                p = np.exp(teacher_logits[b, n, i] - teacher_logits[b, n, i].max())
+                p /= p.sum()
+                q = np.exp(logits[b, n, i] - logits[b, n, i].max())
+                q /= q.sum()
+                a = np.minimum(p, q).sum()
+                m = float(eval_mask[b, n, i])
+                prod *= a * m
+                tau += prod
+                if m == 0:
+                    continue
+                w = np.exp(-i / 4.0)
+                sig = 1.0 / (1.0 + np.exp(-conf_logit[b, n, i]))
+                s["ce"] += w * -np.log(q[labels[b, n, i]])
+                s["l1"] += w * np.abs(p - q).sum()
+                s["bce"] += w * -(a * np.log(sig) + (1 - a) * np.log(1 - sig))
+                s["weight"] += w
+                s["conf_abs_err"] += abs(sig - a)
+                s["conf_bias"] += sig - a
+                accept[i] += a
+                accept_count[i] += 1
+            if eval_mask[b, n, 0] == 1:
+                s["tau"] += tau
+                s["blocks"] += 1
+    preds = accept_count.sum()
+    metrics = {
+        "loss": (0.1 * s["ce"] + 0.9 * s["l1"] + s["bce"]) / s["weight"] if s["weight"] else 0.0,
+        "tau_prob": s["tau"] / s["blocks"] if s["blocks"] else 0.0,
+        "confidence_abs_error": s["conf_abs_err"] / preds if preds else 0.0,
+        "confidence_bias": s["conf_bias"] / preds if preds else 0.0,
+        "valid_blocks": s["blocks"],
+        "valid_predictions": preds,
+        **{f"accept_rate@{i}": accept[i] / accept_count[i] if accept_count[i] else 0.0 for i in range(K)},
+    }
+    return s | {"accept": accept, "accept_count": accept_count, "predictions": preds}, metrics
+
+
+def _mask_from_lengths(lengths_BxN):
+    """Cumulative eval mask: the first `length` predictions of each block are valid."""
+    return (np.arange(K) < np.asarray(lengths_BxN)[..., None]).astype(np.float32)
+
+
+def _random_problem(seed, B=2, N=5, H=16, V=40):
+    rng = np.random.default_rng(seed)
+    return {
+        "logits": rng.normal(0, 2.0, (B, N, K, V)).astype(np.float32),
+        "conf": rng.normal(0, 1.5, (B, N, K)).astype(np.float32),
+        "teacher_hidden": rng.normal(0, 1.0, (B, N, K, H)).astype(np.float32),
+        "lm_head": rng.normal(0, 0.5, (H, V)).astype(np.float32),
+        "labels": rng.integers(0, V, (B, N, K)).astype(np.int32),
+    }
+
+
+def _passthrough(x):
+    return {"logits": x["logits"], "confidence_logit": x["conf"]}
+
+
+def _sums_of(prob, eval_mask, chunk):
+    inputs = {"logits": prob["logits"], "conf": prob["conf"]}
+    return objective.block_objective_sums(
+        _passthrough,
+        inputs,
+        prob["teacher_hidden"],
+        prob["lm_head"],
+        prob["labels"],
+        eval_mask,
+        anchor_chunk=chunk,
+    )
+
+
+# Full blocks, short blocks (1..6 valid), padded blocks (0), in both samples.
+LENGTHS = [[7, 3, 0, 1, 6], [0, 7, 7, 2, 0]]
+
+
+@pytest.mark.parametrize("lengths", [LENGTHS, [[0] * 5, [0] * 5]], ids=["mixed", "all_invalid"])
+def test_sums_and_metrics_match_float64_reference(lengths):
+    prob = _random_problem(0)
+    eval_mask = _mask_from_lengths(lengths)
+    sums = _sums_of(prob, eval_mask, chunk=2)
+    ref_sums, ref_metrics = _reference_np(
+        prob["logits"], prob["conf"], prob["teacher_hidden"], prob["lm_head"], prob["labels"], eval_mask
+    )
+    for name, value in ref_sums.items():
+        np.testing.assert_allclose(sums[name], value, rtol=2e-5, atol=1e-5, err_msg=name)
+    metrics = objective.metrics_from_sums(sums)
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=2e-5, atol=1e-5, err_msg=name)
+    assert all(np.isfinite(v) for v in metrics.values())
+    np.testing.assert_allclose(objective.loss_from_sums(sums), ref_metrics["loss"], rtol=2e-5, atol=1e-6)
+    w = objective.position_weights(jnp.asarray(eval_mask))
+    np.testing.assert_allclose(w.sum(), ref_sums["weight"], rtol=1e-6)
+
+
+def test_chunking_invariance():
+    prob = _random_problem(1, N=7)
+    eval_mask = _mask_from_lengths([[7, 3, 0, 1, 6, 7, 2], [0, 7, 7, 2, 0, 5, 4]])
+    sums = [_sums_of(prob, eval_mask, chunk) for chunk in (1, 3, 7, 100)]
+    for other in sums[1:]:
+        for name in sums[0]:
+            np.testing.assert_allclose(other[name], sums[0][name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def _toy_params(seed, H, V, R=8):
+    rng = np.random.default_rng(seed)
+    return {
+        "w1": jnp.asarray(rng.normal(0, 1.0, (V, R)), jnp.float32),
+        "w2": jnp.asarray(rng.normal(0, 0.3, (R, V)), jnp.float32),
+        "wc": jnp.asarray(rng.normal(0, 0.3, (H + R,)), jnp.float32),
+        "bc": jnp.asarray(0.1, jnp.float32),
+    }
+
+
+def _toy_head(params, lm_head):
+    """logits = h @ lm_head + W2 W1[pred]; confidence = wc . [h; m] + bc; extra sum of masked |m|^2."""
+
+    def head_fn(x):
+        h, m = x["h"], params["w1"][x["pred"]]
+        return {
+            "logits": h @ lm_head + m @ params["w2"],
+            "confidence_logit": jnp.concatenate([h, m], axis=-1) @ params["wc"] + params["bc"],
+            "extra_sums": {"markov_sq": jnp.sum(x["mask"][..., None] * m**2)},
+        }
+
+    return head_fn
+
+
+def _dense_loss(params, h, pred, teacher_hidden, lm_head, labels, eval_mask):
+    """The whole loss written densely in jnp (no chunking, no scan)."""
+    m = params["w1"][pred]
+    logits = h @ lm_head + m @ params["w2"]
+    s = jnp.concatenate([h, m], axis=-1) @ params["wc"] + params["bc"]
+    p = jax.nn.softmax(teacher_hidden @ lm_head, axis=-1)
+    log_q = jax.nn.log_softmax(logits, axis=-1)
+    q = jnp.exp(log_q)
+    a = jax.lax.stop_gradient(jnp.minimum(p, q).sum(-1))
+    ce = -jnp.take_along_axis(log_q, labels[..., None], axis=-1)[..., 0]
+    bce = -(a * jax.nn.log_sigmoid(s) + (1 - a) * jax.nn.log_sigmoid(-s))
+    term = 0.1 * ce + 0.9 * jnp.abs(p - q).sum(-1) + bce
+    w = jnp.exp(-jnp.arange(K) / 4.0) * eval_mask
+    return jnp.sum(w * term) / jnp.sum(w)
+
+
+def _toy_problem(seed, B=2, N=5, H=16, V=40):
+    prob = _random_problem(seed, B, N, H, V)
+    rng = np.random.default_rng(seed + 100)
+    prob["h"] = rng.normal(0, 1.0, (B, N, K, H)).astype(np.float32)
+    prob["pred"] = rng.integers(0, V, (B, N, K)).astype(np.int32)
+    return prob, _toy_params(seed, H, V)
+
+
+def _chunked_loss(params, h, prob, eval_mask, chunk, global_weight=None):
+    inputs = {"h": h, "pred": prob["pred"], "mask": eval_mask}
+    sums = objective.block_objective_sums(
+        _toy_head(params, prob["lm_head"]),
+        inputs,
+        prob["teacher_hidden"],
+        prob["lm_head"],
+        prob["labels"],
+        eval_mask,
+        anchor_chunk=chunk,
+    )
+    if global_weight is None:
+        return objective.loss_from_sums(sums), sums
+    return objective.weighted_loss(sums, global_weight), sums
+
+
+def test_gradients_match_dense_loss():
+    prob, params = _toy_problem(2)
+    eval_mask = _mask_from_lengths(LENGTHS)
+    dense_args = (prob["pred"], prob["teacher_hidden"], prob["lm_head"], prob["labels"], eval_mask)
+    dense_value, dense_grads = jax.value_and_grad(_dense_loss, argnums=(0, 1))(params, prob["h"], *dense_args)
+    grad_fn = jax.jit(
+        jax.value_and_grad(lambda pr, h: _chunked_loss(pr, h, prob, eval_mask, chunk=2)[0], argnums=(0, 1))
+    )
+    value, grads = grad_fn(params, prob["h"])
+    np.testing.assert_allclose(value, dense_value, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(dense_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(grads[0]["w2"]).sum()) > 0
+    _, sums = _chunked_loss(params, prob["h"], prob, eval_mask, chunk=2)
+    m = np.asarray(params["w1"])[prob["pred"]]
+    np.testing.assert_allclose(sums["markov_sq"], np.sum(eval_mask[..., None] * m**2), rtol=1e-5)
+
+
+def test_micro_batches_with_global_weight_equal_whole_batch():
+    prob, params = _toy_problem(3, B=4)
+    eval_mask = _mask_from_lengths([*LENGTHS, [1, 1, 7, 0, 0], [7, 7, 7, 7, 7]])
+    global_weight = objective.position_weights(jnp.asarray(eval_mask)).sum()
+
+    @jax.jit
+    def loss_and_grads(params, batch, mask, global_weight):
+        loss = lambda pr: _chunked_loss(pr, batch["h"], batch, mask, chunk=3, global_weight=global_weight)
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
+    def micro(part):
+        batch = {k: v if k == "lm_head" else v[part] for k, v in prob.items()}
+        return loss_and_grads(params, batch, eval_mask[part], global_weight)
+
+    (whole_loss, whole_sums), whole_grads = micro(slice(0, 4))
+    np.testing.assert_allclose(whole_loss, objective.loss_from_sums(whole_sums), rtol=1e-6)
+    (loss_a, sums_a), grads_a = micro(slice(0, 2))
+    (loss_b, sums_b), grads_b = micro(slice(2, 4))
+    combined = jax.tree.map(jnp.add, sums_a, sums_b)
+    np.testing.assert_allclose(objective.loss_from_sums(combined), whole_loss, rtol=1e-6)
+    np.testing.assert_allclose(loss_a + loss_b, whole_loss, rtol=1e-6)
+    combined_metrics = objective.metrics_from_sums(combined)
+    for name, value in objective.metrics_from_sums(whole_sums).items():
+        np.testing.assert_allclose(combined_metrics[name], value, rtol=1e-5, err_msg=name)
+    for a, b, want in zip(*map(jax.tree.leaves, (grads_a, grads_b, whole_grads))):
+        np.testing.assert_allclose(a + b, want, rtol=1e-4, atol=1e-7)
+
+
+def test_bce_target_is_stop_gradient():
+    prob = _random_problem(4)
+    eval_mask = _mask_from_lengths(LENGTHS)
+
+    def term(name):
+        def f(logits, conf):
+            return _sums_of(prob | {"logits": logits, "conf": conf}, eval_mask, chunk=2)[name]
+
+        return jax.grad(f, argnums=(0, 1))(jnp.asarray(prob["logits"]), jnp.asarray(prob["conf"]))
+
+    bce_d_logits, bce_d_conf = term("bce")
+    assert float(jnp.abs(bce_d_logits).max()) == 0.0
+    # d/ds [softplus(s) - a s] = sigmoid(s) - a, weighted by w_i, with the overlap a held constant.
+    teacher = jax.nn.softmax(prob["teacher_hidden"] @ prob["lm_head"], axis=-1)
+    overlap = jnp.minimum(teacher, jax.nn.softmax(prob["logits"], axis=-1)).sum(-1)
+    want = objective.position_weights(eval_mask) * (jax.nn.sigmoid(prob["conf"]) - overlap)
+    np.testing.assert_allclose(bce_d_conf, want, rtol=1e-5, atol=1e-6)
+    l1_d_logits, l1_d_conf = term("l1")
+    assert float(jnp.abs(l1_d_logits).max()) > 0 and float(jnp.abs(l1_d_conf).max()) == 0.0
+
+
+def test_chunked_memory_stays_far_below_dense():
+    """Backward-pass temp memory grows with the chunk, not with N, at the paper's vocabulary size.
+
+    lm_head is f32 here: XLA:CPU has no bf16 dot and would add a constant f32 copy of a bf16 lm_head.
+    """
+    B, N, H, V, R = 1, 64, 256, 151_669, 16
+    spec = jax.ShapeDtypeStruct
+    params = {
+        "w1": spec((V, R), jnp.float32),
+        "w2": spec((R, V), jnp.float32),
+        "wc": spec((H + R,), jnp.float32),
+        "bc": spec((), jnp.float32),
+    }
+    args = (
+        spec((B, N, K, H), jnp.bfloat16),  # h
+        spec((B, N, K), jnp.int32),  # pred
+        spec((B, N, K, H), jnp.bfloat16),  # teacher hidden
+        spec((H, V), jnp.float32),  # lm_head
+        spec((B, N, K), jnp.int32),  # labels
+        spec((B, N, K), jnp.float32),  # eval mask
+    )
+
+    def temp_bytes(chunk):
+        def loss(params, h, pred, teacher_hidden, lm_head, labels, eval_mask):
+            prob = {"pred": pred, "teacher_hidden": teacher_hidden, "lm_head": lm_head, "labels": labels}
+            return _chunked_loss(params, h, prob, eval_mask, chunk)[0]
+
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, *args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    chunk = 8
+    chunk_tensor = B * chunk * K * V * 4  # one f32 [B, C, K, V] tensor: 34 MB (dense [B, N, K, V]: 272 MB)
+    chunked, dense = temp_bytes(chunk), temp_bytes(N)
+    assert chunked < 6 * chunk_tensor, (chunked, chunk_tensor)
+    assert dense > 6 * chunked, (chunked, dense)

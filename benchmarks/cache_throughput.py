@@ -82,7 +82,7 @@ def main():
         f"{config.train.num_anchors} anchors)"
     )
     print(
-        f"train: {train_rate:10.2f} samples/s ({args.preset} step): reading {read_rate / train_rate:.0f}x faster"
+        f"train: {train_rate:10.2f} samples/s ({args.preset} step): read/train {read_rate / train_rate:.0f}x"
     )
 
 

@@ -38,10 +38,9 @@ from tqdm import tqdm
 from dspark_jax.data.conversations import Message, system_prompt, user_turns
 from dspark_jax.target import Target
 from dspark_jax.target.chat import prompt_ids
-from dspark_jax.target.generate import Generator, SamplingParams
+from dspark_jax.target.generate import GREEDY, Generator, SamplingParams
 
 logger = logging.getLogger(__name__)
-GREEDY = SamplingParams()
 
 
 @dataclasses.dataclass(frozen=True)

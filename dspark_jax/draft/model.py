@@ -92,19 +92,26 @@ class DraftLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
+    def context_kv(self, ctx_BxTxH, positions_BxT, inv_freq) -> tuple[jax.Array, jax.Array]:
+        """Keys (k-normed, RoPE at the context positions) and values of context features `c`.
+
+        The features were normed once after `W_aux`; the layer's input norm does not apply.
+        Inference caches these per layer and appends the newly accepted positions each cycle.
+        """
+        k_ctx, v_ctx = self.attn.keys_values(ctx_BxTxH)
+        return apply_rope(k_ctx, positions_BxT, inv_freq), v_ctx
+
     def __call__(
-        self, x_BxNxSxH, ctx_BxTxH, anchors_BxN, inv_freq, memory_BxNxMxH=None, memory_valid_BxNxM=None
+        self, x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory_BxNxMxH=None, memory_valid_BxNxM=None
     ):
+        """One layer over `N` blocks of `S` slots; `ctx_kv = (k_BxTxKxD, v_BxTxKxD)` from `context_kv`."""
         b, n, s, _ = x_BxNxSxH.shape
         slot_pos_BxQ = (anchors_BxN[:, :, None] + jnp.arange(s)).reshape(b, n * s)
         h_BxQxH = self.input_norm(x_BxNxSxH).reshape(b, n * s, -1)
         q = apply_rope(self.attn.queries(h_BxQxH), slot_pos_BxQ, inv_freq)
         k_blk, v_blk = self.attn.keys_values(h_BxQxH)
         k_blk = apply_rope(k_blk, slot_pos_BxQ, inv_freq)
-        k_ctx, v_ctx = self.attn.keys_values(ctx_BxTxH)  # context features are normed once, after W_aux
-        k_ctx = apply_rope(
-            k_ctx, jnp.broadcast_to(jnp.arange(ctx_BxTxH.shape[1]), ctx_BxTxH.shape[:2]), inv_freq
-        )
+        k_ctx, v_ctx = ctx_kv
         memory = None
         if memory_BxNxMxH is not None:
             m = memory_BxNxMxH.shape[2]
@@ -198,11 +205,18 @@ class DSparkDraft(nnx.Module):
             self.dtype
         )
 
-    def backbone(self, x_BxNxSxH, ctx_BxTxH, anchors_BxN, memory_BxNxMxH=None, memory_valid_BxNxM=None):
-        """Final draft states `h [B, N, S, H]` (after the final RMSNorm)."""
+    def context_kv(self, ctx_BxTxH: jax.Array, positions_BxT: jax.Array | None = None) -> list:
+        """Per-layer context keys/values of features `c` at `positions` (default `0..T-1`)."""
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(ctx_BxTxH.shape[1]), ctx_BxTxH.shape[:2])
         inv_freq = self.inv_freq.get_value()
-        for layer in self.layers:
-            x_BxNxSxH = layer(x_BxNxSxH, ctx_BxTxH, anchors_BxN, inv_freq, memory_BxNxMxH, memory_valid_BxNxM)
+        return [layer.context_kv(ctx_BxTxH, positions_BxT, inv_freq) for layer in self.layers]
+
+    def backbone(self, x_BxNxSxH, ctx_kvs, anchors_BxN, memory_BxNxMxH=None, memory_valid_BxNxM=None):
+        """Final draft states `h [B, N, S, H]` (after the final RMSNorm); `ctx_kvs` from `context_kv`."""
+        inv_freq = self.inv_freq.get_value()
+        for layer, ctx_kv in zip(self.layers, ctx_kvs, strict=True):
+            x_BxNxSxH = layer(x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory_BxNxMxH, memory_valid_BxNxM)
         return self.final_norm(x_BxNxSxH)
 
     def heads(

@@ -39,6 +39,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+GREEDY = SamplingParams()
+
+
 def sampling_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
     """Logits of the distribution actually sampled from: tempered, with the top-p tail at -inf."""
     logits_BxV = logits_BxV.astype(jnp.float32) / params.temperature
@@ -212,7 +215,7 @@ class Generator:
         prompts: Sequence[Sequence[int]],
         *,
         max_new_tokens: int,
-        params: SamplingParams = SamplingParams(),
+        params: SamplingParams = GREEDY,
         seed: int = 0,
     ) -> list[list[int]]:
         """Generated ids per prompt, EOS excluded. Deterministic for a given seed and batching."""
@@ -255,7 +258,7 @@ def generate_replies(
     conversations: Sequence[Sequence[str]],
     *,
     max_new_tokens: int,
-    params: SamplingParams = SamplingParams(),
+    params: SamplingParams = GREEDY,
     seed: int = 0,
 ) -> list[tuple[list[str], list[list[int]]]]:
     """Target replies for every user turn of every conversation, `(replies, reply_ids)` each.

@@ -46,7 +46,9 @@ def draft_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[s
     anchors_BxN = batch["anchors"]
     anchor_tokens_BxN = jnp.take_along_axis(batch["input_ids"], anchors_BxN, axis=1)
     ctx_BxTxH = model.context(batch["aux_hidden"].astype(model.dtype))
-    h_BxNxKxH = model.backbone(model.block_inputs(frozen, anchor_tokens_BxN), ctx_BxTxH, anchors_BxN)
+    h_BxNxKxH = model.backbone(
+        model.block_inputs(frozen, anchor_tokens_BxN), model.context_kv(ctx_BxTxH), anchors_BxN
+    )
     return objective.block_objective_sums(
         lambda chunk: model.heads(frozen, chunk["h"], chunk["predecessors"]),
         {"h": h_BxNxKxH, "predecessors": batch["predecessors"]},

@@ -35,7 +35,7 @@ def _setup(cfg=CFG, t=24):
 
 def _outputs(model, frozen, aux, anchors, tokens):
     ctx = model.context(aux)
-    return model.backbone(model.block_inputs(frozen, tokens), ctx, anchors)
+    return model.backbone(model.block_inputs(frozen, tokens), model.context_kv(ctx), anchors)
 
 
 @pytest.mark.parametrize("attention", ["xla", "reference"])

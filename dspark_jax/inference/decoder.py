@@ -1,0 +1,193 @@
+"""Host side of speculative decoding: batching, compilation per shape, and the MAL report."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from dspark_jax import sharding
+from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.inference.engine import SpecSettings, speculate_program
+from dspark_jax.target.generate import GREEDY, SamplingParams, pad_prompts, prompt_bucket
+from dspark_jax.target.model import Transformer
+
+
+@dataclasses.dataclass
+class SpecReport:
+    """Acceptance and speed over all requests of a decoder.
+
+    `mal_pooled` = accepted tokens per cycle pooled over all cycles; `mal_per_request` = mean of
+    each request's own mean; `accepted_hist[n]` = cycles that emitted `n` tokens (n = accepted
+    drafts + 1); `acceptance_by_position[i]` = P(proposal i accepted | proposal i verified);
+    `confidence_by_position[i]` = mean predicted acceptance of the verified proposals i.
+    """
+
+    requests: int = 0
+    generated_tokens: int = 0
+    cycles: int = 0
+    seconds: float = 0.0
+    compile_seconds: float = 0.0
+    per_request_mal: list[float] = dataclasses.field(default_factory=list)
+    accepted_hist: np.ndarray | None = None
+    reached: np.ndarray | None = None
+    accepted: np.ndarray | None = None
+    confidence: np.ndarray | None = None
+
+    def add(self, stats: dict[str, np.ndarray], rows: int, tokens: int):
+        cycles_B, lengths_B = stats["cycles_B"][:rows], stats["accepted_len_B"][:rows]
+        self.requests += rows
+        self.generated_tokens += tokens
+        self.cycles += int(cycles_B.sum())
+        self.per_request_mal += [float(n / c) for n, c in zip(lengths_B, cycles_B) if c]
+        for name, key in (
+            ("accepted_hist", "accepted_hist"),
+            ("reached", "reached_K"),
+            ("accepted", "accepted_K"),
+            ("confidence", "confidence_K"),
+        ):
+            value = np.asarray(stats[key], np.float64)
+            setattr(self, name, value if getattr(self, name) is None else getattr(self, name) + value)
+
+    def as_dict(self) -> dict:
+        hist = self.accepted_hist if self.accepted_hist is not None else np.zeros(1)
+        reached = np.maximum(self.reached if self.reached is not None else np.zeros(1), 1)
+        return {
+            "requests": self.requests,
+            "generated_tokens": self.generated_tokens,
+            "cycles": self.cycles,
+            "mal_pooled": float((hist * np.arange(len(hist))).sum() / max(hist.sum(), 1)),
+            "mal_per_request": float(np.mean(self.per_request_mal)) if self.per_request_mal else 0.0,
+            "accepted_length_histogram": {str(n): int(c) for n, c in enumerate(hist) if n},
+            "acceptance_by_position": (self.accepted / reached).tolist() if self.accepted is not None else [],
+            "confidence_by_position": (self.confidence / reached).tolist()
+            if self.confidence is not None
+            else [],
+            "seconds": self.seconds,
+            "compile_seconds": self.compile_seconds,
+            "tokens_per_second": self.generated_tokens / self.seconds if self.seconds else 0.0,
+            "cycle_latency_ms": 1e3 * self.seconds / max(self.cycles / max(self.requests, 1), 1),
+        }
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of token prompts with a target and a trained DSpark draft.
+
+    Args:
+      target: the target model. draft_graphdef/params/rest: the draft split by `nnx.split`.
+      frozen: the target's embedding and LM head as the draft reads them.
+      aux_layer_ids: the target layers the draft was trained on.
+      batch_size: concurrent requests per compiled program.
+    """
+
+    def __init__(
+        self,
+        target: Transformer,
+        draft_graphdef: nnx.GraphDef,
+        draft_params: nnx.State,
+        draft_rest: nnx.State,
+        frozen: FrozenTarget,
+        *,
+        aux_layer_ids: Sequence[int],
+        eos_ids: Sequence[int],
+        pad_id: int,
+        batch_size: int = 1,
+        mesh: Mesh | None = None,
+    ):
+        draft_cfg = nnx.merge(draft_graphdef, draft_params, draft_rest).cfg
+        t = target.cfg
+        for name, d, v in (
+            ("hidden_size", draft_cfg.hidden_size, t.hidden_size),
+            ("vocab_size", draft_cfg.vocab_size, t.vocab_size),
+            ("number of aux layers", draft_cfg.num_aux, len(aux_layer_ids)),
+        ):
+            if d != v:
+                raise ValueError(f"draft and target disagree on {name}: draft {d}, target {v}")
+        if not eos_ids:
+            raise ValueError("at least one EOS id is needed to stop decoding")
+        self.target_graphdef, self.target_state = nnx.split(target)
+        self.draft = (draft_graphdef, draft_params, draft_rest)
+        self.block_size = draft_cfg.block_size
+        self.frozen = frozen
+        self.cfg = t
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.pad_id = pad_id
+        self.batch_size = batch_size
+        self.mesh = mesh or sharding.make_mesh()
+        self.report = SpecReport()
+        self._compiled: dict[tuple, object] = {}
+
+    def _program(self, prompt_len: int, max_new: int, params: SamplingParams, tokens, lengths, rng):
+        key = (prompt_len, max_new, params)
+        if key not in self._compiled:
+            settings = SpecSettings(max_new, params, self.eos_ids, self.aux_layer_ids)
+            max_len = prompt_len + max_new + 2 * (self.block_size + 1)
+            fn = jax.jit(
+                functools.partial(
+                    speculate_program,
+                    target_graphdef=self.target_graphdef,
+                    draft_graphdef=self.draft[0],
+                    max_len=max_len,
+                    settings=settings,
+                )
+            )
+            begin = time.perf_counter()
+            self._compiled[key] = fn.lower(
+                self.target_state, self.draft[1], self.draft[2], self.frozen, tokens, lengths, rng
+            ).compile()
+            self.report.compile_seconds += time.perf_counter() - begin
+        return self._compiled[key]
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        params: SamplingParams = GREEDY,
+        seed: int = 0,
+    ) -> list[list[int]]:
+        """Generated ids per prompt (EOS excluded); acceptance statistics accumulate in `report`."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = self.cfg.max_position_embeddings - max_new_tokens - 2 * (self.block_size + 1)
+        for index, prompt in enumerate(prompts):
+            if not len(prompt):
+                raise ValueError(f"prompt {index} is empty")
+            if len(prompt) > limit:
+                raise ValueError(
+                    f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} "
+                    f"the limit is {limit} (max_position_embeddings={self.cfg.max_position_embeddings})"
+                )
+        results = []
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start : start + self.batch_size]
+            length = prompt_bucket(max(len(p) for p in chunk))
+            tokens, lengths = pad_prompts(chunk, self.batch_size, length, self.pad_id, "right")
+            tokens, lengths = (
+                sharding.shard_batch(tokens, self.mesh),
+                sharding.shard_batch(lengths, self.mesh),
+            )
+            rng = jax.random.fold_in(jax.random.key(seed), start)
+            program = self._program(length, max_new_tokens, params, tokens, lengths, rng)
+            begin = time.perf_counter()
+            state = jax.device_get(
+                program(self.target_state, self.draft[1], self.draft[2], self.frozen, tokens, lengths, rng)
+            )
+            self.report.seconds += time.perf_counter() - begin
+            out, counts = np.asarray(state.out_BxO), np.asarray(state.count_B)
+            for row in range(len(chunk)):
+                ids = out[row, : counts[row]].tolist()
+                results.append(ids[: next((i for i, t in enumerate(ids) if t in self.eos_ids), len(ids))])
+            self.report.add(
+                {k: np.asarray(v) for k, v in state.stats.items()},
+                len(chunk),
+                int(sum(len(r) for r in results[-len(chunk) :])),
+            )
+        return results

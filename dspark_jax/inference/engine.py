@@ -1,0 +1,239 @@
+"""Speculative decoding with a DSpark draft and real target verification, batched under `jax.jit`.
+
+Per request, `p` tokens have target states in both caches and the next token `x[p]` is
+known but not yet fed to the target. One cycle:
+
+1. draft: one backbone pass over the block `[E(x[p]), MASK x 6]` at positions `p..p+6`,
+   attending to the cached draft context `j < p` (DESIGN.md section 2 at inference);
+2. select: the Markov head picks `d_1..d_7` one by one, each from its own corrected logits
+   given the previous choice (greedy, or sampled with temperature / top-p);
+3. verify: the target runs `[x[p], d_1..d_7]` in one forward with its KV cache;
+4. accept: exact match (greedy) or lossless rejection sampling; `m` accepted drafts plus one
+   target token (the correction, or the bonus after 7 accepted) are emitted;
+5. roll back: the target cache keeps `p + m + 1` tokens; the draft context gains the target
+   states of positions `p..p+m`; the next anchor is the emitted target token.
+
+Rows advance independently (per-row cache lengths); the whole decode is one `while_loop`.
+Prompts are right-padded, so cache slots equal positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.draft.model import DSparkDraft, FrozenTarget
+from dspark_jax.inference.acceptance import accept_greedy, accept_sampling
+from dspark_jax.target.generate import SamplingParams, sample
+from dspark_jax.target.model import KVCache, Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecSettings:
+    """Static settings of a compiled speculative program."""
+
+    max_new_tokens: int
+    params: SamplingParams
+    eos_ids: tuple[int, ...]
+    aux_layer_ids: tuple[int, ...]
+
+
+class SpecState(NamedTuple):
+    """Loop state; `B` rows, `S` cache slots, `O` output slots."""
+
+    cycle: jax.Array
+    target_cache: KVCache
+    draft_k: tuple[jax.Array, ...]  # per draft layer [B, S, KV, D]
+    draft_v: tuple[jax.Array, ...]
+    pending_B: jax.Array  # x[p], the next token not yet fed to the target
+    out_BxO: jax.Array
+    count_B: jax.Array  # tokens emitted so far (EOS included)
+    done_B: jax.Array
+    rng: jax.Array
+    stats: dict[str, jax.Array]
+
+
+def _write_rows(buffer_BxSx, new_BxTx, start_B):
+    """Writes `new` into each row of `buffer` at that row's own slot offset."""
+    rows_Bx1 = jnp.arange(buffer_BxSx.shape[0])[:, None]
+    slots_BxT = start_B[:, None] + jnp.arange(new_BxTx.shape[1])
+    return buffer_BxSx.at[rows_Bx1, slots_BxT].set(new_BxTx.astype(buffer_BxSx.dtype), mode="drop")
+
+
+def append_context(draft: DSparkDraft, draft_k, draft_v, aux_BxTxAxH, start_B):
+    """Adds the draft context K/V of target states at positions `start .. start + T - 1`."""
+    positions_BxT = start_B[:, None] + jnp.arange(aux_BxTxAxH.shape[1])
+    kvs = draft.context_kv(draft.context(aux_BxTxAxH.astype(draft.dtype)), positions_BxT)
+    new_k = tuple(_write_rows(buf, k, start_B) for buf, (k, _) in zip(draft_k, kvs))
+    new_v = tuple(_write_rows(buf, v, start_B) for buf, (_, v) in zip(draft_v, kvs))
+    return new_k, new_v
+
+
+def draft_hidden(draft: DSparkDraft, frozen: FrozenTarget, draft_k, draft_v, pending_B, p_B):
+    """Draft states `h [B, S, H]` of the block anchored at `p` (context `j < p`)."""
+    x_Bx1xSxH = draft.block_inputs(frozen, pending_B[:, None])
+    h = draft.backbone(x_Bx1xSxH, list(zip(draft_k, draft_v)), p_B[:, None])
+    return h[:, 0]
+
+
+def select(draft: DSparkDraft, frozen: FrozenTarget, h_BxSxH, pending_B, rng, params: SamplingParams):
+    """Sequential Markov selection: `(drafts [B, S], draft logits [B, S, V], confidence [B, S])`."""
+    token_B = pending_B
+    drafts, logits, confidence = [], [], []
+    for i in range(h_BxSxH.shape[1]):
+        out = draft.heads(frozen, h_BxSxH[:, i], token_B)
+        token_B = sample(out["logits"], jax.random.fold_in(rng, i), params)
+        drafts.append(token_B)
+        logits.append(out["logits"])
+        confidence.append(jax.nn.sigmoid(out["confidence_logit"]))
+    return jnp.stack(drafts, 1), jnp.stack(logits, 1), jnp.stack(confidence, 1)
+
+
+def prefill(
+    target: Transformer,
+    draft: DSparkDraft,
+    tokens_BxP,
+    lengths_B,
+    *,
+    max_len: int,
+    settings: SpecSettings,
+    rng,
+):
+    """Target prefill of right-padded prompts; returns the first loop state (first token emitted)."""
+    b, _ = tokens_BxP.shape
+    cache = KVCache.zeros(target.cfg, b, max_len, target.dtype)
+    out = target(tokens_BxP, cache=cache, aux_layer_ids=settings.aux_layer_ids)
+    cache = out.cache._replace(end_B=lengths_B.astype(jnp.int32))
+    last_BxH = out.hidden_BxTxH[jnp.arange(b), lengths_B - 1]
+    first_B = sample(target.logits(last_BxH), jax.random.fold_in(rng, 0), settings.params)
+    shape = (b, max_len, draft.cfg.num_kv_heads, draft.cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, draft.dtype) for _ in draft.layers)
+    draft_k, draft_v = append_context(draft, zeros, zeros, out.aux_BxTxAxH, jnp.zeros((b,), jnp.int32))
+    k = draft.cfg.block_size
+    out_BxO = jnp.full((b, settings.max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(first_B)
+    eos = jnp.asarray(settings.eos_ids, jnp.int32)
+    stats = {
+        "cycles_B": jnp.zeros((b,), jnp.int32),
+        "accepted_len_B": jnp.zeros((b,), jnp.int32),  # sum over the row's cycles of m + 1
+        "accepted_hist": jnp.zeros((k + 2,), jnp.int32),  # index = accepted length m + 1
+        "reached_K": jnp.zeros((k,), jnp.int32),  # proposal i was verified
+        "accepted_K": jnp.zeros((k,), jnp.int32),  # proposal i was accepted
+        "confidence_K": jnp.zeros((k,), jnp.float32),  # sum of predicted acceptance over reached proposals
+    }
+    return SpecState(
+        jnp.int32(0),
+        cache,
+        draft_k,
+        draft_v,
+        first_B,
+        out_BxO,
+        jnp.ones((b,), jnp.int32),
+        jnp.isin(first_B, eos) | (settings.max_new_tokens <= 1),
+        rng,
+        stats,
+    )
+
+
+def dspark_proposals(draft: DSparkDraft, frozen: FrozenTarget, state: SpecState, rng, params: SamplingParams):
+    """The DSpark draft's block proposals: one backbone pass, then sequential Markov selection."""
+    h = draft_hidden(draft, frozen, state.draft_k, state.draft_v, state.pending_B, state.target_cache.end_B)
+    return select(draft, frozen, h, state.pending_B, rng, params)
+
+
+def cycle(
+    target: Transformer,
+    draft: DSparkDraft,
+    frozen: FrozenTarget,
+    state: SpecState,
+    settings: SpecSettings,
+    propose=dspark_proposals,
+) -> SpecState:
+    """One draft-select-verify-accept cycle for every row (finished rows change nothing).
+
+    `propose(draft, frozen, state, rng, params) -> (drafts [B, K], draft logits [B, K, V],
+    confidence [B, K])` makes the block; tests substitute chosen proposals.
+    """
+    rng = jax.random.fold_in(state.rng, state.cycle + 1)  # 0 is the prefill's
+    p_B = state.target_cache.end_B
+    drafts_BxK, draft_logits, confidence_BxK = propose(
+        draft, frozen, state, jax.random.fold_in(rng, 0), settings.params
+    )
+    verify = target(
+        jnp.concatenate([state.pending_B[:, None], drafts_BxK], 1),
+        cache=state.target_cache,
+        aux_layer_ids=settings.aux_layer_ids,
+    )
+    target_logits = target.logits(verify.hidden_BxTxH)
+    if settings.params.temperature == 0:
+        m_B, next_B = accept_greedy(drafts_BxK, target_logits)
+    else:
+        m_B, next_B = accept_sampling(
+            drafts_BxK, draft_logits, target_logits, jax.random.fold_in(rng, 1), settings.params
+        )
+    active_B = ~state.done_B
+    k = drafts_BxK.shape[1]
+    # Emit d_1..d_m and the target token.
+    positions_K1 = jnp.arange(k + 1)
+    emitted_BxK1 = jnp.where(positions_K1 < m_B[:, None], jnp.pad(drafts_BxK, ((0, 0), (0, 1))), 0)
+    emitted_BxK1 = jnp.where(positions_K1 == m_B[:, None], next_B[:, None], emitted_BxK1)
+    room_B = settings.max_new_tokens - state.count_B
+    n_emit_B = jnp.where(active_B, jnp.minimum(m_B + 1, room_B), 0)
+    keep = positions_K1 < n_emit_B[:, None]
+    eos = jnp.asarray(settings.eos_ids, jnp.int32)
+    hit_eos = jnp.any(keep & jnp.isin(emitted_BxK1, eos), axis=1)
+    out_BxO = _write_rows(state.out_BxO, jnp.where(keep, emitted_BxK1, -1), state.count_B)
+    out_BxO = jnp.where(active_B[:, None], out_BxO, state.out_BxO)
+    # Roll the target cache back to the accepted prefix; extend the draft context with it.
+    end_B = jnp.where(active_B, p_B + m_B + 1, p_B)
+    target_cache = verify.cache._replace(end_B=end_B)
+    draft_k, draft_v = append_context(draft, state.draft_k, state.draft_v, verify.aux_BxTxAxH, p_B)
+    reached_BxK = active_B[:, None] & (jnp.arange(k) <= m_B[:, None])
+    stats = {
+        "cycles_B": state.stats["cycles_B"] + active_B,
+        "accepted_len_B": state.stats["accepted_len_B"] + jnp.where(active_B, m_B + 1, 0),
+        "accepted_hist": state.stats["accepted_hist"].at[m_B + 1].add(active_B.astype(jnp.int32)),
+        "reached_K": state.stats["reached_K"] + jnp.sum(reached_BxK, 0),
+        "accepted_K": state.stats["accepted_K"] + jnp.sum(reached_BxK & (jnp.arange(k) < m_B[:, None]), 0),
+        "confidence_K": state.stats["confidence_K"] + jnp.sum(jnp.where(reached_BxK, confidence_BxK, 0.0), 0),
+    }
+    count_B = state.count_B + n_emit_B
+    done_B = state.done_B | hit_eos | (count_B >= settings.max_new_tokens)
+    return SpecState(
+        state.cycle + 1,
+        target_cache,
+        draft_k,
+        draft_v,
+        jnp.where(active_B, next_B, state.pending_B),
+        out_BxO,
+        count_B,
+        done_B,
+        state.rng,
+        stats,
+    )
+
+
+def speculate_program(
+    target_state,
+    draft_params,
+    draft_rest,
+    frozen,
+    tokens_BxP,
+    lengths_B,
+    rng,
+    *,
+    target_graphdef,
+    draft_graphdef,
+    max_len: int,
+    settings: SpecSettings,
+):
+    """Prefill + cycles until every row is done; returns the final `SpecState`."""
+    target = nnx.merge(target_graphdef, target_state)
+    draft = nnx.merge(draft_graphdef, draft_params, draft_rest)
+    state = prefill(target, draft, tokens_BxP, lengths_B, max_len=max_len, settings=settings, rng=rng)
+    return jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done_B), lambda s: cycle(target, draft, frozen, s, settings), state
+    )

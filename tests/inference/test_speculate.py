@@ -1,0 +1,171 @@
+"""Speculative decoding: lossless greedy and sampling, cache roll-back, bad inputs (tiny target and draft)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from dspark_jax import sharding
+from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
+from dspark_jax.inference import engine
+from dspark_jax.inference.decoder import SpeculativeDecoder
+from dspark_jax.target.config import TargetConfig
+from dspark_jax.target.generate import Generator, SamplingParams
+from dspark_jax.target.model import KVCache, Transformer
+
+V, H, EOS, AUX = 48, 32, 3, (0, 1)
+TARGET = TargetConfig(
+    family="qwen3",
+    vocab_size=V,
+    hidden_size=H,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    qk_norm=True,
+    max_position_embeddings=256,
+    eos_token_ids=(EOS,),
+)
+DRAFT = DraftConfig(
+    hidden_size=H,
+    vocab_size=V,
+    num_aux=len(AUX),
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    markov_rank=8,
+)
+PROMPTS = [[5, 9, 11, 7], [7] * 13, [20, 21, 22, 23, 24, 25, 26, 27, 28], [1, 2]]
+
+
+def _scaled(module, mesh, scale):
+    graphdef, state = nnx.split(module)
+    state = jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, state)
+    return nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
+
+
+@pytest.fixture(scope="module")
+def parts(mesh1):
+    target = _scaled(Transformer(TARGET, rngs=nnx.Rngs(0)), mesh1, 8.0)
+    draft = _scaled(DSparkDraft(DRAFT, rngs=nnx.Rngs(1)), mesh1, 4.0)
+    frozen = FrozenTarget(target.embedding.get_value(), target.lm_head_matrix())
+    return target, draft, frozen
+
+
+def _decoder(parts, mesh, batch_size, draft=None):
+    target, default_draft, frozen = parts
+    graphdef, params, rest = nnx.split(draft or default_draft, nnx.Param, ...)
+    return SpeculativeDecoder(
+        target,
+        graphdef,
+        params,
+        rest,
+        frozen,
+        aux_layer_ids=AUX,
+        eos_ids=[EOS],
+        pad_id=0,
+        batch_size=batch_size,
+        mesh=mesh,
+    )
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_speculation_equals_target_greedy(parts, mesh1, batch_size):
+    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=4, mesh=mesh1).generate(
+        PROMPTS, max_new_tokens=20
+    )
+    decoder = _decoder(parts, mesh1, batch_size)
+    assert decoder.generate(PROMPTS, max_new_tokens=20) == expected
+    report = decoder.report.as_dict()
+    assert report["cycles"] > 0 and 1.0 <= report["mal_pooled"] <= 8.0
+
+
+def _forced(tokens_BxK):
+    """A proposer that returns fixed drafts (uniform draft logits; greedy acceptance ignores them)."""
+
+    def propose(draft, frozen, state, rng, params):
+        b, k = tokens_BxK.shape
+        return tokens_BxK, jnp.zeros((b, k, V)), jnp.zeros((b, k))
+
+    return propose
+
+
+def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
+    target, draft, frozen = parts
+    prompt = jnp.asarray([[5, 9, 11, 7, 0, 0, 0, 0]])
+    settings = engine.SpecSettings(64, SamplingParams(), (EOS,), AUX)
+    state = engine.prefill(
+        target, draft, prompt, jnp.asarray([4]), max_len=64, settings=settings, rng=jax.random.key(0)
+    )
+    # The target's own greedy continuation, to force exactly 3 accepted drafts, then 0, then 7.
+    greedy = Generator(target, eos_ids=[-1 % V], pad_id=0, batch_size=1, mesh=mesh1).generate(
+        [[5, 9, 11, 7]], max_new_tokens=40
+    )[0]
+    emitted = [int(state.pending_B[0])]
+    assert emitted[0] == greedy[0]
+    for accepted in (3, 0, 7):
+        done = len(emitted)
+        drafts = greedy[done : done + 7]
+        if accepted < 7:
+            drafts[accepted] = (drafts[accepted] + 1) % V
+        state = engine.cycle(target, draft, frozen, state, settings, propose=_forced(jnp.asarray([drafts])))
+        count = int(state.count_B[0])
+        emitted = [int(t) for t in state.out_BxO[0, :count]]
+        assert count == done + accepted + 1 and emitted == greedy[:count]
+        # Fresh prefill of everything the target has processed: prompt + all emitted but the pending token.
+        processed = [5, 9, 11, 7, *emitted[:-1]]
+        end = int(state.target_cache.end_B[0])
+        assert end == len(processed)
+        fresh_cache = KVCache.zeros(target.cfg, 1, 64, target.dtype)
+        fresh = target(jnp.asarray([processed]), cache=fresh_cache, aux_layer_ids=AUX)
+        for got, want in zip(
+            state.target_cache.k_BxSxKxD + state.target_cache.v_BxSxKxD,
+            fresh.cache.k_BxSxKxD + fresh.cache.v_BxSxKxD,
+        ):
+            np.testing.assert_allclose(np.asarray(got[0, :end]), np.asarray(want[0, :end]), atol=1e-5)
+        fresh_kv = draft.context_kv(draft.context(fresh.aux_BxTxAxH))
+        for (k, v), got_k, got_v in zip(fresh_kv, state.draft_k, state.draft_v):
+            np.testing.assert_allclose(np.asarray(got_k[0, :end]), np.asarray(k[0]), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(got_v[0, :end]), np.asarray(v[0]), atol=1e-5)
+
+
+def test_sampling_is_lossless(parts, mesh1):
+    """The second generated token (the first one a cycle decides) follows the target's distribution."""
+    target = parts[0]
+    prompt = [5, 9, 11, 7]
+    params = SamplingParams(temperature=1.0)
+    rows = 512
+    decoder = _decoder(parts, mesh1, rows)
+    outs = decoder.generate([prompt] * rows, max_new_tokens=2, params=params, seed=3)
+    forward = jax.jit(lambda ids: jax.nn.softmax(target.logits(target(ids).hidden_BxTxH[:, -1])))
+    p1 = np.asarray(forward(jnp.asarray([prompt])))[0].astype(np.float64)
+    p2 = np.asarray(forward(jnp.asarray([[*prompt, t] for t in range(V)]))).astype(np.float64)
+    joint_second = (p1[:, None] * p2).sum(0)  # P(x2) marginalised over x1
+    seconds = [o[1] for o in outs if len(o) > 1 and o[0] != EOS]
+    expected = joint_second.copy()
+    expected[EOS] = 0.0  # a row whose first token is EOS emits no second token
+    expected = expected / expected.sum() * len(seconds)
+    big = expected > 5
+    observed = np.bincount(seconds, minlength=V)
+    chi = stats.chisquare(
+        np.r_[observed[big], observed[~big].sum()], np.r_[expected[big], expected[~big].sum()]
+    )
+    assert chi.pvalue > 1e-3, chi
+
+
+def test_bad_inputs(parts, mesh1):
+    other = DSparkDraft(DraftConfig(**{**DRAFT.__dict__, "hidden_size": 16}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="hidden_size: draft 16, target 32"):
+        _decoder(parts, mesh1, 1, draft=other)
+    other = DSparkDraft(DraftConfig(**{**DRAFT.__dict__, "vocab_size": 50}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="vocab_size: draft 50, target 48"):
+        _decoder(parts, mesh1, 1, draft=other)
+    decoder = _decoder(parts, mesh1, 1)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        decoder.generate([[1], []], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 0 has 250 tokens"):
+        decoder.generate([[1] * 250], max_new_tokens=4)

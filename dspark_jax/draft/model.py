@@ -219,17 +219,26 @@ class DSparkDraft(nnx.Module):
             x_BxNxSxH = layer(x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory_BxNxMxH, memory_valid_BxNxM)
         return self.final_norm(x_BxNxSxH)
 
-    def heads(
-        self, frozen: FrozenTarget, h_xSxH: jax.Array, predecessors_xS: jax.Array
-    ) -> dict[str, jax.Array]:
-        """Corrected logits `l = h @ lm_head + W2 W1[t]` (float32 `[..., S, V]`) and confidence logits."""
-        m_xSxR = self.markov.features(predecessors_xS).astype(self.dtype)
-        logits = jnp.einsum(
+    def base_logits(self, frozen: FrozenTarget, h_xH: jax.Array) -> jax.Array:
+        """Float32 `h @ lm_head` (the frozen target head), `[..., V]`."""
+        return jnp.einsum(
             "...h,hv->...v",
-            h_xSxH.astype(self.dtype),
+            h_xH.astype(self.dtype),
             frozen.lm_head_HxV.astype(self.dtype),
             preferred_element_type=jnp.float32,
         )
-        logits = logits + self.markov.bias(m_xSxR)
-        confidence = self.confidence(jnp.concatenate([h_xSxH.astype(self.dtype), m_xSxR], axis=-1))
-        return {"logits": logits, "confidence_logit": confidence.astype(jnp.float32)}
+
+    def corrected(self, base_logits_xV: jax.Array, h_xH: jax.Array, predecessors_x: jax.Array) -> dict:
+        """Markov-corrected logits `l = l0 + W2 W1[t]` and confidence logits `w_c . [h; m] + b_c`."""
+        m_xR = self.markov.features(predecessors_x).astype(self.dtype)
+        confidence = self.confidence(jnp.concatenate([h_xH.astype(self.dtype), m_xR], axis=-1))
+        return {
+            "logits": base_logits_xV + self.markov.bias(m_xR),
+            "confidence_logit": confidence.astype(jnp.float32),
+        }
+
+    def heads(
+        self, frozen: FrozenTarget, h_xSxH: jax.Array, predecessors_xS: jax.Array
+    ) -> dict[str, jax.Array]:
+        """Corrected logits (float32 `[..., S, V]`) and confidence logits for teacher-forced predecessors."""
+        return self.corrected(self.base_logits(frozen, h_xSxH), h_xSxH, predecessors_xS)

@@ -83,9 +83,10 @@ def draft_hidden(draft: DSparkDraft, frozen: FrozenTarget, draft_k, draft_v, pen
 def select(draft: DSparkDraft, frozen: FrozenTarget, h_BxSxH, pending_B, rng, params: SamplingParams):
     """Sequential Markov selection: `(drafts [B, S], draft logits [B, S, V], confidence [B, S])`."""
     token_B = pending_B
+    base_BxSxV = draft.base_logits(frozen, h_BxSxH)  # one pass over the LM head for the whole block
     drafts, logits, confidence = [], [], []
     for i in range(h_BxSxH.shape[1]):
-        out = draft.heads(frozen, h_BxSxH[:, i], token_B)
+        out = draft.corrected(base_BxSxV[:, i], h_BxSxH[:, i], token_B)
         token_B = sample(out["logits"], jax.random.fold_in(rng, i), params)
         drafts.append(token_B)
         logits.append(out["logits"])
@@ -157,11 +158,21 @@ def cycle(
     `propose(draft, frozen, state, rng, params) -> (drafts [B, K], draft logits [B, K, V],
     confidence [B, K])` makes the block; tests substitute chosen proposals.
     """
-    rng = jax.random.fold_in(state.rng, state.cycle + 1)  # 0 is the prefill's
+    rng = cycle_rng(state)
+    proposals = propose(draft, frozen, state, jax.random.fold_in(rng, 0), settings.params)
+    return verify_and_accept(target, draft, state, proposals, settings, jax.random.fold_in(rng, 1))
+
+
+def cycle_rng(state: SpecState) -> jax.Array:
+    return jax.random.fold_in(state.rng, state.cycle + 1)  # 0 is the prefill's
+
+
+def verify_and_accept(
+    target: Transformer, draft: DSparkDraft, state: SpecState, proposals, settings: SpecSettings, rng
+) -> SpecState:
+    """Target verification of the proposals, acceptance, emission and cache roll-back."""
+    drafts_BxK, draft_logits, confidence_BxK = proposals
     p_B = state.target_cache.end_B
-    drafts_BxK, draft_logits, confidence_BxK = propose(
-        draft, frozen, state, jax.random.fold_in(rng, 0), settings.params
-    )
     verify = target(
         jnp.concatenate([state.pending_B[:, None], drafts_BxK], 1),
         cache=state.target_cache,
@@ -171,9 +182,7 @@ def cycle(
     if settings.params.temperature == 0:
         m_B, next_B = accept_greedy(drafts_BxK, target_logits)
     else:
-        m_B, next_B = accept_sampling(
-            drafts_BxK, draft_logits, target_logits, jax.random.fold_in(rng, 1), settings.params
-        )
+        m_B, next_B = accept_sampling(drafts_BxK, draft_logits, target_logits, rng, settings.params)
     active_B = ~state.done_B
     k = drafts_BxK.shape[1]
     # Emit d_1..d_m and the target token.

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -251,8 +252,16 @@ class Generator:
         return results
 
 
+class Decoder(Protocol):
+    """Anything that continues token prompts: `Generator`, or a speculative decoder."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, params: SamplingParams, seed: int
+    ) -> list[list[int]]: ...
+
+
 def generate_replies(
-    generator: Generator,
+    generator: Decoder,
     tokenizer: Tokenizer,
     template: ChatTemplate,
     conversations: Sequence[Sequence[str]],

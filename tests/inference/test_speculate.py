@@ -169,3 +169,30 @@ def test_bad_inputs(parts, mesh1):
         decoder.generate([[1], []], max_new_tokens=4)
     with pytest.raises(ValueError, match="prompt 0 has 250 tokens"):
         decoder.generate([[1] * 250], max_new_tokens=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_greedy_lossless_on_the_demo_target(mesh1, concurrency):
+    """SmolLM2 with a (random-init) demo-shaped draft: output equals target-only greedy on GSM8K prompts."""
+    from configs import baseline
+    from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
+    from dspark_jax.target import load_target
+    from dspark_jax.target.chat import prompt_ids
+    from dspark_jax.train import experiment
+
+    config = baseline.get_config("demo")
+    target = load_target(mesh=mesh1)
+    graphdef, params, rest = experiment.init_draft(config, target.config, mesh1)
+    side = experiment.side_from_target(target, mesh1)
+    questions = read_turns_jsonl(GSM8K_VAL256)[:8]
+    prompts = [
+        prompt_ids(target.tokenizer, target.chat_template, [{"role": "user", "content": q[0]}]).tolist()
+        for q in questions
+    ]
+    kw = dict(eos_ids=target.eos_ids, pad_id=target.tokenizer.pad_id, batch_size=concurrency, mesh=mesh1)
+    decoder = SpeculativeDecoder(
+        target.model, graphdef, params, rest, side.frozen, aux_layer_ids=config.data.aux_layer_ids, **kw
+    )
+    expected = Generator(target.model, **kw).generate(prompts, max_new_tokens=24)
+    assert decoder.generate(prompts, max_new_tokens=24) == expected

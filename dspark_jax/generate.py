@@ -16,29 +16,23 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from dspark_jax import sharding
-from dspark_jax.cli import define_config_flag
+from dspark_jax.cli import SamplingFlags, define_config_flag
 from dspark_jax.data.conversations import read_turns_jsonl
 from dspark_jax.target import target_from_config
-from dspark_jax.target.generate import Generator, SamplingParams, generate_replies
+from dspark_jax.target.generate import Generator, generate_replies
 
 _CONFIG = define_config_flag()
 _INPUT = flags.DEFINE_string("input", None, "JSONL of {'turns': [...]} prompts.", required=True)
 _OUTPUT = flags.DEFINE_string("output", None, "Output JSONL path.", required=True)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Overrides config.generate.max_new_tokens.")
-_TEMPERATURE = flags.DEFINE_float("temperature", None, "Overrides config.generate.temperature.")
-_TOP_P = flags.DEFINE_float("top_p", None, "Overrides config.generate.top_p.")
-_SEED = flags.DEFINE_integer("seed", None, "Overrides config.seed.")
+_SAMPLING = SamplingFlags()
 
 
 def main(argv):
     del argv
     config = _CONFIG.value
     gen = config.generate
-    seed = config.seed if _SEED.value is None else _SEED.value
-    params = SamplingParams(
-        temperature=gen.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value,
-        top_p=gen.top_p if _TOP_P.value is None else _TOP_P.value,
-    )
+    params, seed = _SAMPLING.resolve(config)
     max_new = gen.max_new_tokens if _MAX_NEW.value is None else _MAX_NEW.value
     conversations = read_turns_jsonl(_INPUT.value)
     mesh = sharding.make_mesh(config.mesh.to_dict())

@@ -162,3 +162,38 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BxTxH: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x_BxTxH)) * self.up(x_BxTxH))
+
+
+class DecoderBlock(nnx.Module):
+    """Parameters of a pre-norm GQA decoder block (input norm, attention, post-attention norm, SwiGLU).
+
+    Subclasses define how keys/values are gathered in `__call__` and end with `finish`.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        *,
+        eps: float,
+        use_bias: bool,
+        qk_norm: bool,
+        rngs: nnx.Rngs,
+        param_dtype: Dtype,
+        dtype: Dtype,
+    ):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        self.input_norm = RMSNorm(hidden, eps, param_dtype=param_dtype)
+        self.attn = AttentionProjections(
+            hidden, num_heads, num_kv_heads, head_dim, eps=eps, use_bias=use_bias, qk_norm=qk_norm, **kw
+        )
+        self.post_attn_norm = RMSNorm(hidden, eps, param_dtype=param_dtype)
+        self.mlp = SwiGLU(hidden, intermediate, **kw)
+
+    def finish(self, x: jax.Array, attn_out: jax.Array) -> jax.Array:
+        """Output projection + residual, then the MLP residual."""
+        x = x + self.attn.o(attn_out).astype(x.dtype)
+        return x + self.mlp(self.post_attn_norm(x)).astype(x.dtype)

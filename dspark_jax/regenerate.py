@@ -18,11 +18,10 @@ import json
 from absl import app, flags, logging
 
 from dspark_jax import sharding
-from dspark_jax.cli import define_config_flag
+from dspark_jax.cli import SamplingFlags, define_config_flag
 from dspark_jax.data.conversations import load_conversations
 from dspark_jax.data.regenerate import regenerate
 from dspark_jax.target import target_from_config
-from dspark_jax.target.generate import SamplingParams
 
 _CONFIG = define_config_flag()
 _INPUT = flags.DEFINE_string("input", None, "'sharegpt' or a conversation file.", required=True)
@@ -31,20 +30,14 @@ _LIMIT = flags.DEFINE_integer("limit", None, "Use only the first N usable conver
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Overrides config.generate.max_new_tokens.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", None, "Prompt cap per turn; default: the context.")
 _CHUNK = flags.DEFINE_integer("chunk_size", 64, "Conversations per durable write.")
-_TEMPERATURE = flags.DEFINE_float("temperature", None, "Overrides config.generate.temperature.")
-_TOP_P = flags.DEFINE_float("top_p", None, "Overrides config.generate.top_p.")
-_SEED = flags.DEFINE_integer("seed", None, "Overrides config.seed.")
+_SAMPLING = SamplingFlags()
 
 
 def main(argv):
     del argv
     config = _CONFIG.value
     gen = config.generate
-    seed = config.seed if _SEED.value is None else _SEED.value
-    params = SamplingParams(
-        temperature=gen.temperature if _TEMPERATURE.value is None else _TEMPERATURE.value,
-        top_p=gen.top_p if _TOP_P.value is None else _TOP_P.value,
-    )
+    params, seed = _SAMPLING.resolve(config)
     loaded = load_conversations(_INPUT.value, limit=_LIMIT.value)
     logging.info(
         "%s: %d conversations, %d skipped", _INPUT.value, len(loaded.conversations), loaded.num_skipped

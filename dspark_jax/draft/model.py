@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.kernels.block_attention import BlockMemory, block_attention
-from dspark_jax.nn import AttentionProjections, Dtype, Linear, RMSNorm, SwiGLU, apply_rope, normal_init
+from dspark_jax.nn import DecoderBlock, Dtype, Linear, RMSNorm, apply_rope, normal_init
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,25 +72,24 @@ class FrozenTarget(NamedTuple):
     lm_head_HxV: jax.Array
 
 
-class DraftLayer(nnx.Module):
+class DraftLayer(DecoderBlock):
     """A Qwen3-style layer whose K/V are `[context; memory; block]` under the block visibility rule."""
 
     def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, param_dtype: Dtype, dtype: Dtype):
-        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
-        self.cfg = cfg
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.attn = AttentionProjections(
+        super().__init__(
             cfg.hidden_size,
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
+            cfg.intermediate_size,
             eps=cfg.rms_norm_eps,
             use_bias=False,
             qk_norm=True,
-            **kw,
+            rngs=rngs,
+            param_dtype=param_dtype,
+            dtype=dtype,
         )
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.cfg = cfg
 
     def context_kv(self, ctx_BxTxH, positions_BxT, inv_freq) -> tuple[jax.Array, jax.Array]:
         """Keys (k-normed, RoPE at the context positions) and values of context features `c`.
@@ -134,8 +133,7 @@ class DraftLayer(nnx.Module):
             implementation=self.cfg.attention,
             anchor_chunk=self.cfg.anchor_chunk,
         )
-        x_BxNxSxH = x_BxNxSxH + self.attn.o(out).astype(x_BxNxSxH.dtype)
-        return x_BxNxSxH + self.mlp(self.post_attn_norm(x_BxNxSxH)).astype(x_BxNxSxH.dtype)
+        return self.finish(x_BxNxSxH, out)
 
 
 class MarkovHead(nnx.Module):

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from dspark_jax import sharding
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.inference.engine import SpecSettings, speculate_program
-from dspark_jax.target.generate import GREEDY, SamplingParams, pad_prompts, prompt_bucket
+from dspark_jax.target.generate import GREEDY, SamplingParams, check_prompts, pad_prompts, prompt_bucket
 from dspark_jax.target.model import Transformer
 
 
@@ -154,17 +154,9 @@ class SpeculativeDecoder:
         seed: int = 0,
     ) -> list[list[int]]:
         """Generated ids per prompt (EOS excluded); acceptance statistics accumulate in `report`."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        limit = self.cfg.max_position_embeddings - max_new_tokens - 2 * (self.block_size + 1)
-        for index, prompt in enumerate(prompts):
-            if not len(prompt):
-                raise ValueError(f"prompt {index} is empty")
-            if len(prompt) > limit:
-                raise ValueError(
-                    f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} "
-                    f"the limit is {limit} (max_position_embeddings={self.cfg.max_position_embeddings})"
-                )
+        check_prompts(
+            prompts, max_new_tokens, self.cfg.max_position_embeddings, reserved=2 * (self.block_size + 1)
+        )
         results = []
         for start in range(0, len(prompts), self.batch_size):
             chunk = prompts[start : start + self.batch_size]

@@ -63,6 +63,23 @@ def sample(logits_BxV: jax.Array, rng: jax.Array, params: SamplingParams) -> jax
     return jax.random.categorical(rng, sampling_logits(logits_BxV, params), axis=-1).astype(jnp.int32)
 
 
+def check_prompts(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int, max_positions: int, reserved: int = 0
+) -> None:
+    """Rejects empty prompts and prompts that leave no room for `max_new_tokens` (+ `reserved`)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = max_positions - max_new_tokens - reserved
+    for index, prompt in enumerate(prompts):
+        if not len(prompt):
+            raise ValueError(f"prompt {index} is empty")
+        if len(prompt) > limit:
+            raise ValueError(
+                f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} the "
+                f"limit is {limit} (the target's max_position_embeddings={max_positions})"
+            )
+
+
 def prompt_bucket(length: int) -> int:
     """Smallest power of two >= `length` (at least MIN_PROMPT_BUCKET)."""
     return max(MIN_PROMPT_BUCKET, 1 << max(0, length - 1).bit_length())
@@ -220,16 +237,7 @@ class Generator:
         seed: int = 0,
     ) -> list[list[int]]:
         """Generated ids per prompt, EOS excluded. Deterministic for a given seed and batching."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        for index, prompt in enumerate(prompts):
-            if not len(prompt):
-                raise ValueError(f"prompt {index} is empty")
-            if len(prompt) + max_new_tokens > self.cfg.max_position_embeddings:
-                raise ValueError(
-                    f"prompt {index} has {len(prompt)} tokens; with max_new_tokens={max_new_tokens} it "
-                    f"exceeds the target's max_position_embeddings={self.cfg.max_position_embeddings}"
-                )
+        check_prompts(prompts, max_new_tokens, self.cfg.max_position_embeddings)
         results: list[list[int]] = []
         rng = jax.random.key(seed)
         for start in range(0, len(prompts), self.batch_size):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.nn import AttentionProjections, Dtype, RMSNorm, SwiGLU, apply_rope, gqa_attention, normal_init
+from dspark_jax.nn import DecoderBlock, Dtype, RMSNorm, apply_rope, gqa_attention, normal_init
 from dspark_jax.target.config import TargetConfig
 
 
@@ -57,22 +57,21 @@ class TargetOutput(NamedTuple):
     cache: KVCache | None
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(DecoderBlock):
     def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, param_dtype: Dtype, dtype: Dtype):
-        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.attn = AttentionProjections(
+        super().__init__(
             cfg.hidden_size,
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
+            cfg.intermediate_size,
             eps=cfg.rms_norm_eps,
             use_bias=cfg.attention_bias,
             qk_norm=cfg.qk_norm,
-            **kw,
+            rngs=rngs,
+            param_dtype=param_dtype,
+            dtype=dtype,
         )
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
     def __call__(self, x_BxTxH, positions_BxT, inv_freq, visible_BxTxS, kv=None):
         """One layer. `kv = (k_BxSxKxD, v_BxSxKxD, slots_BxT)` appends the new keys/values to a
@@ -90,8 +89,7 @@ class DecoderLayer(nnx.Module):
         attn_BxTxNxD = gqa_attention(
             q_BxTxNxD, k_BxTxKxD.astype(q_BxTxNxD.dtype), v_BxTxKxD.astype(q_BxTxNxD.dtype), visible_BxTxS
         )
-        x_BxTxH = x_BxTxH + self.attn.o(attn_BxTxNxD).astype(x_BxTxH.dtype)
-        x_BxTxH = x_BxTxH + self.mlp(self.post_attn_norm(x_BxTxH)).astype(x_BxTxH.dtype)
+        x_BxTxH = self.finish(x_BxTxH, attn_BxTxNxD)
         return x_BxTxH, k_BxTxKxD, v_BxTxKxD
 
 

@@ -26,12 +26,15 @@ class SpecReport:
     `mal_pooled` = accepted tokens per cycle pooled over all cycles; `mal_per_request` = mean of
     each request's own mean; `accepted_hist[n]` = cycles that emitted `n` tokens (n = accepted
     drafts + 1); `acceptance_by_position[i]` = P(proposal i accepted | proposal i verified);
-    `confidence_by_position[i]` = mean predicted acceptance of the verified proposals i.
+    `confidence_by_position[i]` = mean predicted acceptance of the verified proposals i;
+    `loop_ms_per_cycle` = wall time per decode-loop iteration (a batch's rows cycle together;
+    prefill included, so it sits above the pure cycle latency of `inference.timing`).
     """
 
     requests: int = 0
     generated_tokens: int = 0
     cycles: int = 0
+    loop_iterations: int = 0
     seconds: float = 0.0
     compile_seconds: float = 0.0
     per_request_mal: list[float] = dataclasses.field(default_factory=list)
@@ -40,8 +43,9 @@ class SpecReport:
     accepted: np.ndarray | None = None
     confidence: np.ndarray | None = None
 
-    def add(self, stats: dict[str, np.ndarray], rows: int, tokens: int):
+    def add(self, stats: dict[str, np.ndarray], rows: int, tokens: int, iterations: int):
         cycles_B, lengths_B = stats["cycles_B"][:rows], stats["accepted_len_B"][:rows]
+        self.loop_iterations += iterations
         self.requests += rows
         self.generated_tokens += tokens
         self.cycles += int(cycles_B.sum())
@@ -72,7 +76,7 @@ class SpecReport:
             "seconds": self.seconds,
             "compile_seconds": self.compile_seconds,
             "tokens_per_second": self.generated_tokens / self.seconds if self.seconds else 0.0,
-            "cycle_latency_ms": 1e3 * self.seconds / max(self.cycles / max(self.requests, 1), 1),
+            "loop_ms_per_cycle": 1e3 * self.seconds / max(self.loop_iterations, 1),
         }
 
 
@@ -181,5 +185,6 @@ class SpeculativeDecoder:
                 {k: np.asarray(v) for k, v in state.stats.items()},
                 len(chunk),
                 int(sum(len(r) for r in results[-len(chunk) :])),
+                int(state.cycle),
             )
         return results

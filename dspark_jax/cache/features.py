@@ -56,8 +56,8 @@ class FeatureExtractor:
             functools.partial(_features, graphdef=self.graphdef, aux_layer_ids=self.aux_layer_ids)
         )
 
-    def batches(self, sequences: Sequence[np.ndarray]) -> Iterator[list[int]]:
-        """Index groups, each a batch of one length bucket, longest buckets first."""
+    def batches(self, sequences: Sequence[np.ndarray]) -> Iterator[tuple[int, int, list[int]]]:
+        """`(bucket length, rows, indices)` per forward: one length bucket each, longest first."""
         by_bucket: dict[int, list[int]] = {}
         for index, ids in enumerate(sequences):
             by_bucket.setdefault(prompt_bucket(len(ids)), []).append(index)
@@ -65,14 +65,12 @@ class FeatureExtractor:
             rows = max(1, self.tokens_per_batch // length)
             members = by_bucket[length]
             for start in range(0, len(members), rows):
-                yield members[start : start + rows]
+                yield length, rows, members[start : start + rows]
 
     def __call__(self, sequences: Sequence[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """`(aux_hidden bf16[T, A, H], last_hidden bf16[T, H])` per sequence, in input order."""
         results: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(sequences)
-        for group in self.batches(sequences):
-            length = prompt_bucket(max(len(sequences[i]) for i in group))
-            rows = max(1, self.tokens_per_batch // length)
+        for length, rows, group in self.batches(sequences):
             tokens = np.zeros((rows, length), np.int32)
             valid = np.zeros((rows, length), bool)
             for row, index in enumerate(group):

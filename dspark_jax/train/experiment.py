@@ -26,7 +26,6 @@ from dspark_jax.data.pipeline import PipelineConfig
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
 from dspark_jax.target import Target, TargetConfig, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
-from dspark_jax.target.load import hf_source
 from dspark_jax.target.tokenizer import Tokenizer
 from dspark_jax.train.checkpoint import Checkpointer
 from dspark_jax.train.optimizer import make_optimizer, make_schedule
@@ -71,7 +70,7 @@ def side_from_checkpoint(config, mesh: Mesh) -> TargetSide:
     path = default_target_path() if not config.target.path else config.target.path
     ckpt = load_checkpoint(path)
     dtype = jnp.dtype(config.target.dtype)
-    lm_name = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else hf_source(("lm_head",))[0]
+    lm_name = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
     embedding = ckpt.read("model.embed_tokens.weight")
     frozen = FrozenTarget(
         _place(embedding, ("vocab", "embed"), mesh, dtype),

@@ -70,7 +70,7 @@ def main():
             next(iterator)
         read_rate = batches * rows / (time.perf_counter() - begin)
 
-    train_rate = time_step(args.preset, steps=2)["samples_per_second"]
+    train_rate = time_step(baseline, args.preset, steps=2)["samples_per_second"]
     tokens = int(lengths.sum())
     print(
         f"demo target {target.config.family} H={target.config.hidden_size}, aux {config.data.aux_layer_ids}, "

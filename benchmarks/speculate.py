@@ -1,29 +1,27 @@
 """Speculative decoding cycle latency (draft / selection / verify) and tokens/s vs target-only decoding.
 
-  python benchmarks/speculate.py [--checkpoint=WORKDIR] [--prompts=16] [--concurrency=1] [--max_new_tokens=64]
+  python benchmarks/speculate.py [--checkpoint=WORKDIR | --config=configs/baseline.py] [--prompts=16] \
+      [--concurrency=1] [--max_new_tokens=64]
 
-Runs on the demo target (SmolLM2) with the demo draft shape. Without `--checkpoint` the
-draft is randomly initialised: latency is the same, acceptance is not (expect MAL ~1), so
+Runs on the demo target (SmolLM2). With `--checkpoint` the run's stored config picks the
+experiment group and draft shape; without it the draft of `--config`'s demo preset is
+randomly initialised: latency is the same, acceptance is not (expect MAL ~1), so
 speedups are only meaningful with a trained draft (`python -m dspark_jax.train`).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from configs import baseline
-from dspark_jax import sharding
+from benchmarks.common import load_config_module
+from dspark_jax import experiments, sharding
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.inference.decoder import SpecReport, SpeculativeDecoder
 from dspark_jax.inference.timing import time_cycle_phases
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import prompt_ids
 from dspark_jax.target.generate import GenerationStats, Generator, SamplingParams
-from dspark_jax.train import experiment
+from dspark_jax.train import components
 
 
 def main():
@@ -31,19 +29,23 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--checkpoint", default="")
+    parser.add_argument("--config", default="configs/baseline.py", help="used without --checkpoint")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()
-    config = baseline.get_config("demo")
+    if args.checkpoint:
+        config = components.run_config(args.checkpoint)
+    else:
+        config = load_config_module(args.config).get_config("demo")
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
-    side = experiment.side_from_target(target, mesh)
+    side = components.side_from_target(target, mesh)
     if args.checkpoint:
-        graphdef, params, rest, _ = experiment.restore_draft(config, target.config, mesh, args.checkpoint)
+        graphdef, params, rest, _ = components.restore_draft(config, target.config, mesh, args.checkpoint)
     else:
-        graphdef, params, rest = experiment.init_draft(config, target.config, mesh)
+        graphdef, params, rest = components.init_draft(config, target.config, mesh)
     conversations = read_turns_jsonl(GSM8K_VAL256)[: args.prompts]
     prompts = [
         prompt_ids(target.tokenizer, target.chat_template, [{"role": "user", "content": c[0]}]).tolist()
@@ -52,7 +54,14 @@ def main():
     sampling = SamplingParams(temperature=args.temperature)
     kw = dict(eos_ids=target.eos_ids, pad_id=target.tokenizer.pad_id, batch_size=args.concurrency, mesh=mesh)
     decoder = SpeculativeDecoder(
-        target.model, graphdef, params, rest, side.frozen, aux_layer_ids=config.data.aux_layer_ids, **kw
+        target.model,
+        graphdef,
+        params,
+        rest,
+        side.frozen,
+        proposer=experiments.get(config.experiment).proposer,
+        aux_layer_ids=config.data.aux_layer_ids,
+        **kw,
     )
     plain = Generator(target.model, padding="right", **kw)
     for runner in (decoder, plain):  # warm up: compile every prompt bucket

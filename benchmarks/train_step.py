@@ -1,6 +1,6 @@
 """Training step time and tokens/s of the demo and smoke presets, and blocked vs dense block attention.
 
-  python benchmarks/train_step.py [--steps=5] [--presets=smoke,demo]
+  python benchmarks/train_step.py [--steps=5] [--presets=smoke,demo] [--config=configs/baseline.py]
 
 Step timing uses synthetic batches with each preset's exact shapes (values do not change
 the work), so no cache is needed. The attention comparison runs forward + backward of the
@@ -12,47 +12,22 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from configs import baseline
-from dspark_jax import sharding
-from dspark_jax.data import anchors as anchors_lib
+from benchmarks.common import load_config_module
+from dspark_jax import experiments, sharding
+from dspark_jax.data import batch as batch_lib
 from dspark_jax.data.pipeline import to_global
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.kernels.block_attention import block_attention
 from dspark_jax.target import TargetConfig
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
-from dspark_jax.train import experiment
+from dspark_jax.train import components
 from dspark_jax.train import step as step_lib
-
-
-def synthetic_batch(config, target: TargetConfig, rows: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """A batch with the preset's shapes: response tokens from 1/4 of the sequence on."""
-    rng = np.random.default_rng(seed)
-    t, n = config.data.max_length, config.train.num_anchors
-    ids = rng.integers(0, target.vocab_size, (rows, t)).astype(np.int32)
-    mask = np.zeros((rows, t), np.uint8)
-    mask[:, t // 4 :] = 1
-    anchors, keep = map(np.stack, zip(*(anchors_lib.sample_anchors(m, n, rng) for m in mask)))
-    a, h = len(config.data.aux_layer_ids), target.hidden_size
-    return {
-        "input_ids": ids,
-        "aux_hidden": rng.normal(size=(rows, t, a, h)).astype(jnp.bfloat16),
-        "last_hidden": rng.normal(size=(rows, t, h)).astype(jnp.bfloat16),
-        "anchors": anchors,
-        "labels": anchors_lib.block_labels(ids, anchors),
-        "predecessors": anchors_lib.markov_predecessors(ids, anchors),
-        "eval_mask": anchors_lib.eval_mask(mask, anchors, keep),
-    }
 
 
 def preset_target(config) -> TargetConfig:
@@ -61,12 +36,13 @@ def preset_target(config) -> TargetConfig:
     return load_checkpoint(default_target_path()).config
 
 
-def time_step(preset: str, steps: int) -> dict[str, float]:
-    config = baseline.get_config(preset)
+def time_step(config_module, preset: str, steps: int) -> dict[str, float]:
+    config = config_module.get_config(preset)
+    experiment = experiments.get(config.experiment)
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     target = preset_target(config)
-    graphdef, params, rest = experiment.init_draft(config, target, mesh)
-    _, optimizer = experiment.make_training_optimizer(config)
+    graphdef, params, rest = components.init_draft(config, target, mesh)
+    _, optimizer = components.make_training_optimizer(config, params)
     opt_state = jax.jit(optimizer.init)(params)
     replicated = NamedSharding(mesh, PartitionSpec())
     key = jax.random.split(jax.random.key(0))
@@ -78,16 +54,26 @@ def time_step(preset: str, steps: int) -> dict[str, float]:
         replicated,
     )
     micro_rows = config.train.global_batch // config.train.grad_accum
-    batch = to_global(synthetic_batch(config, target, micro_rows), mesh)
-    weight = step_lib.global_weight([np.asarray(batch["eval_mask"])])
-    micro = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef))
-    update = jax.jit(functools.partial(step_lib.apply_step, optimizer=optimizer), donate_argnums=(0, 1))
+    host_batch = batch_lib.synthetic(
+        micro_rows,
+        config.data.max_length,
+        len(config.data.aux_layer_ids),
+        target.hidden_size,
+        config.train.num_anchors,
+        target.vocab_size,
+    )
+    batch = to_global(batch_lib.device_fields(host_batch), mesh)
+    micro = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=experiment))
+    update = jax.jit(
+        functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=experiment),
+        donate_argnums=(0, 1),
+    )
 
     def one_step(params, opt_state):
-        grads, _ = micro(params, rest, frozen, batch, weight)
+        grads, sums = micro(params, rest, frozen, batch)
         for _ in range(config.train.grad_accum - 1):
-            grads = jax.tree.map(jnp.add, grads, micro(params, rest, frozen, batch, weight)[0])
-        params, opt_state, norm = update(params, opt_state, grads)
+            grads, sums = step_lib.accumulate((grads, sums), micro(params, rest, frozen, batch))
+        params, opt_state, norm = update(params, opt_state, grads, sums)
         jax.block_until_ready(norm)
         return params, opt_state
 
@@ -140,11 +126,13 @@ def main():
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--presets", default="smoke,demo")
+    parser.add_argument("--config", default="configs/baseline.py", help="experiment config file")
     args = parser.parse_args()
+    config_module = load_config_module(args.config)
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}")
     print(f"{'preset':8s} {'step s':>10s} {'tokens/s':>12s} {'samples/s':>10s}")
     for preset in args.presets.split(","):
-        r = time_step(preset, args.steps)
+        r = time_step(config_module, preset, args.steps)
         step_s, tok_s, smp_s = r["step_seconds"], r["tokens_per_second"], r["samples_per_second"]
         print(f"{preset:8s} {step_s:10.3f} {tok_s:12.0f} {smp_s:10.2f}")
     att = attention_comparison()

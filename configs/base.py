@@ -20,6 +20,8 @@ Keys:
   target.param_dtype        storage dtype of target weights ('float32' or 'bfloat16').
   target.dtype              compute dtype of target activations.
   mesh.data/fsdp/tensor     mesh axis sizes; one may be -1 to take the remaining devices.
+  sharding.rules            logical axis -> mesh axes table for parameters and activations
+                            (default: `dspark_jax.sharding.DEFAULT_RULES`).
   generate.batch_size       rows per compiled generation program.
   generate.max_new_tokens   generation length cap per turn.
   generate.temperature      0 = greedy.
@@ -27,6 +29,9 @@ Keys:
   generate.padding          'left' or 'right' prompt alignment.
   data.cache_dir            root of the caches and regenerated replies; '' = $DSPARK_JAX_CACHE or
                             ~/.cache/dspark_jax, then `<preset>/<target fingerprint>` below it.
+  data.train_cache          an existing cache to train on (dspark_jax or DeepSpec v2 format, local or
+                            gs://); '' = the cache built from `data.train_source` under `data.cache_dir`.
+  data.val_cache            the same for validation.
   data.train_source         'sharegpt' (the PyPI package) or a conversation file (JSON/JSONL).
   data.train_limit          first N usable training conversations (0 = all).
   data.val_source           validation prompts; '' = the packaged GSM8K-256.
@@ -66,6 +71,8 @@ Keys:
 """
 
 from ml_collections import config_dict
+
+from dspark_jax import sharding
 
 SMOKE_TARGET = dict(
     family="llama",
@@ -123,6 +130,8 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.target.dtype = "bfloat16" if preset == "paper" else "float32"
 
     c.mesh = config_dict.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+    c.sharding = config_dict.ConfigDict()
+    c.sharding.rules = sharding.DEFAULT_RULES
 
     c.generate = config_dict.ConfigDict()
     c.generate.batch_size = 8
@@ -133,6 +142,8 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
 
     c.data = config_dict.ConfigDict()
     c.data.cache_dir = ""
+    c.data.train_cache = ""
+    c.data.val_cache = ""
     c.data.train_source = "sharegpt"
     c.data.train_limit = {"paper": 0, "demo": 300, "smoke": 6}[preset]
     c.data.val_source = ""

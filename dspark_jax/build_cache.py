@@ -17,7 +17,7 @@ from absl import app, flags
 
 from dspark_jax import sharding
 from dspark_jax.cache.build import prepare_split
-from dspark_jax.cli import define_config_flag
+from dspark_jax.cli import config_value, define_config_flag
 from dspark_jax.target import target_from_config
 
 _CONFIG = define_config_flag()
@@ -29,7 +29,7 @@ _PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "Number of builder pro
 
 def main(argv):
     del argv
-    config = _CONFIG.value
+    config = config_value(_CONFIG)
     mesh = sharding.make_mesh(config.mesh.to_dict())
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
     for split in ("train", "val") if _SPLIT.value == "all" else (_SPLIT.value,):

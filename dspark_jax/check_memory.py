@@ -9,7 +9,7 @@ import json
 
 from absl import app, flags
 
-from dspark_jax.cli import define_config_flag
+from dspark_jax.cli import config_value, define_config_flag
 from dspark_jax.train.aot import step_memory
 
 _CONFIG = define_config_flag()
@@ -18,7 +18,7 @@ _MICRO_BATCH = flags.DEFINE_integer("micro_batch", 4, "Samples per device per mi
 
 def main(argv):
     del argv
-    print(json.dumps(step_memory(_CONFIG.value, _MICRO_BATCH.value), indent=2))
+    print(json.dumps(step_memory(config_value(_CONFIG), _MICRO_BATCH.value), indent=2))
 
 
 if __name__ == "__main__":

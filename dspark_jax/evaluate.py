@@ -1,10 +1,11 @@
 """Offline (teacher-forced) metrics of a trained draft on the validation cache.
 
-  python -m dspark_jax.evaluate --config=configs/baseline.py[:preset] --checkpoint=DIR [--output=OUT.json]
+  python -m dspark_jax.evaluate --checkpoint=DIR [--config=configs/baseline.py[:preset]] [--output=OUT.json]
 
 `--checkpoint` takes a training work directory (its latest checkpoint), a checkpoints
-directory, or one step's directory. Prints (and writes) `eval` metrics: tau_prob,
-accept_rate@0..6, losses, confidence error.
+directory, or one step's directory; the run's stored config is used unless `--config` is
+given (which must agree with it on every key that shapes the draft). Prints (and writes)
+`eval` metrics: tau_prob, accept_rate@0..6, losses, confidence error.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import json
 from absl import app, flags
 from etils import epath
 
-from dspark_jax.cli import define_config_flag
+from dspark_jax.cli import checkpoint_config, define_config_flag
 from dspark_jax.train.evaluation import evaluate_checkpoint
 
-_CONFIG = define_config_flag()
+_CONFIG = define_config_flag(default=None)
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", None, "Work directory or checkpoint directory.", required=True
 )
@@ -26,7 +27,7 @@ _OUTPUT = flags.DEFINE_string("output", None, "Optional JSON output path.")
 
 def main(argv):
     del argv
-    result = evaluate_checkpoint(_CONFIG.value, _CHECKPOINT.value)
+    result = evaluate_checkpoint(checkpoint_config(_CONFIG, _CHECKPOINT.value), _CHECKPOINT.value)
     text = json.dumps(result, indent=2)
     if _OUTPUT.value:
         epath.Path(_OUTPUT.value).write_text(text + "\n")

@@ -16,7 +16,7 @@ from pathlib import Path
 from absl import app, flags, logging
 
 from dspark_jax import sharding
-from dspark_jax.cli import SamplingFlags, define_config_flag
+from dspark_jax.cli import SamplingFlags, config_value, define_config_flag
 from dspark_jax.data.conversations import read_turns_jsonl
 from dspark_jax.target import target_from_config
 from dspark_jax.target.generate import Generator, generate_replies
@@ -30,7 +30,7 @@ _SAMPLING = SamplingFlags()
 
 def main(argv):
     del argv
-    config = _CONFIG.value
+    config = config_value(_CONFIG)
     gen = config.generate
     params, seed = _SAMPLING.resolve(config)
     max_new = gen.max_new_tokens if _MAX_NEW.value is None else _MAX_NEW.value

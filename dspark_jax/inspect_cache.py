@@ -4,9 +4,12 @@
                                             [--dump_sample=I --output=S.npz]
 
 Prints a JSON summary (format, num_samples, num_tokens, aux_layer_ids, hidden_size, dtypes,
-target, complete). ``--verify`` recomputes checksums (exit 1 with a message on corruption);
-``--dump_sample`` writes sample I's input_ids, loss_mask, aux_hidden [T, n_aux, H] and
-last_hidden [T, H] (hidden states as float32) to an .npz file.
+target, complete; for a DeepSpec v2 cache aux_layer_ids is its target_layer_ids and target its
+target_model_name_or_path). ``--verify`` recomputes the checksums of a dspark_jax cache; a
+DeepSpec v2 cache has none, so it checks the manifest and index and reads every sample, printing
+one line per bad sample before exiting 1. Any error exits 1 with a message. ``--dump_sample``
+writes sample I's input_ids, loss_mask, aux_hidden [T, n_aux, H] and last_hidden [T, H] (hidden
+states as float32) to an .npz file.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def summarize(path: str, allow_incomplete: bool = False) -> dict[str, Any]:
             "format": "deepspec",
             "num_samples": len(ds),
             "num_tokens": int(ds.index["seq_len"].sum()),
-            "aux_layer_ids": ds.manifest.get("aux_layer_ids"),
+            "num_shards": len(ds.shard_files),
+            "aux_layer_ids": ds.aux_layer_ids,
             "num_aux_layers": n_aux,
             "hidden_size": h,
             "dtypes": {
@@ -46,7 +50,7 @@ def summarize(path: str, allow_incomplete: bool = False) -> dict[str, Any]:
                 "aux_hidden": "bfloat16",
                 "last_hidden": "bfloat16",
             },
-            "target": ds.manifest.get("target"),
+            "target": ds.manifest["target_model_name_or_path"],
             "complete": True,
         }
     m = fmt.read_manifest(path)
@@ -83,7 +87,7 @@ def dump_sample(path: str, index: int, output: str, allow_incomplete: bool = Fal
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dspark_jax.inspect_cache", description=__doc__.split("\n")[0])
     p.add_argument("path", help="cache directory (local or gs://)")
-    p.add_argument("--verify", action="store_true", help="recompute and check all checksums")
+    p.add_argument("--verify", action="store_true", help="check all checksums (DeepSpec: read every sample)")
     p.add_argument("--allow_incomplete", action="store_true", help="verify/dump committed samples only")
     p.add_argument("--dump_sample", type=int, default=None, help="index of a sample to dump")
     p.add_argument("--output", default=None, help=".npz file for --dump_sample")
@@ -95,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=1))
         if args.verify:
             if summary["format"] == "deepspec":
-                n = deepspec.verify_deepspec(args.path)
+                n, problems = deepspec.scan_deepspec(args.path)
+                for msg in problems:
+                    print(f"error: cache {args.path!r}: {msg}", file=sys.stderr)
+                if problems:
+                    print(f"verify: FAILED ({len(problems)} of {n} samples corrupt)", file=sys.stderr)
+                    return 1
             else:
                 n = cache.verify(args.path, allow_incomplete=args.allow_incomplete)
             print(f"verify: OK ({n} samples)")

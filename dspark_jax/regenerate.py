@@ -18,7 +18,7 @@ import json
 from absl import app, flags, logging
 
 from dspark_jax import sharding
-from dspark_jax.cli import SamplingFlags, define_config_flag
+from dspark_jax.cli import SamplingFlags, config_value, define_config_flag
 from dspark_jax.data.conversations import load_conversations
 from dspark_jax.data.regenerate import regenerate
 from dspark_jax.target import target_from_config
@@ -35,7 +35,7 @@ _SAMPLING = SamplingFlags()
 
 def main(argv):
     del argv
-    config = _CONFIG.value
+    config = config_value(_CONFIG)
     gen = config.generate
     params, seed = _SAMPLING.resolve(config)
     loaded = load_conversations(_INPUT.value, limit=_LIMIT.value)

@@ -4,12 +4,18 @@ Parameters carry logical axis names in their `axes` metadata (e.g. `('embed', 'm
 A rules table maps each logical name to mesh axes of the `('data', 'fsdp', 'tensor')`
 mesh. A dimension that the mapped mesh axes do not divide evenly stays replicated, so the
 same model runs on 1 CPU, 8 fake CPU devices, a GPU or a TPU slice.
+
+The table is a config entry (`config.sharding.rules`, default `DEFAULT_RULES`). Activations are
+pinned with `constrain(x, logical_axes)` at the block, chunk and logits boundaries; it acts
+inside `activation_sharding(mesh, rules)` (the trainer and evaluator trace their steps inside
+one) and is the identity elsewhere, so model code runs unchanged on one device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -36,6 +42,40 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+
+def rules_of(config) -> Rules:
+    """The rules table of a config (`sharding.rules`), or the default one."""
+    section = config.get("sharding") if hasattr(config, "get") else None
+    rules = section.get("rules") if section is not None else None
+    return (
+        tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
+        if rules
+        else DEFAULT_RULES
+    )
+
+
+_ACTIVE: list[tuple[Mesh, Rules]] = []
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
+    """Within the context, `constrain` pins traced activations to `mesh` by `rules`."""
+    _ACTIVE.append((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """`x` with a sharding constraint from its logical axes (identity outside `activation_sharding`)."""
+    if not _ACTIVE:
+        return x
+    mesh, rules = _ACTIVE[-1]
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules))
+    )
 
 
 def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -107,6 +147,19 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) 
     def one(variable: nnx.Variable):
         axes = variable.get_metadata().get("axes")
         return NamedSharding(mesh, logical_to_spec(axes, variable.get_value().shape, mesh, rules))
+
+    return jax.tree.map(one, state, is_leaf=_is_variable)
+
+
+def with_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
+    """An abstract NNX state (`ShapeDtypeStruct` values) whose values carry their shardings, for restores."""
+
+    def one(variable: nnx.Variable):
+        value = variable.get_value()
+        spec = logical_to_spec(variable.get_metadata().get("axes"), value.shape, mesh, rules)
+        return variable.replace(
+            jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=NamedSharding(mesh, spec))
+        )
 
     return jax.tree.map(one, state, is_leaf=_is_variable)
 

@@ -1,11 +1,13 @@
 """Speculative decoding with a trained draft and real target verification: MAL, latency, tokens/s.
 
-  python -m dspark_jax.speculate --config=configs/baseline.py[:preset] --checkpoint=DIR \
+  python -m dspark_jax.speculate --checkpoint=DIR [--config=configs/baseline.py[:preset]] \
       [--input=IN.jsonl] [--output=OUT.json] [--temperature=T] [--top_p=P] [--concurrency=C] \
       [--max_new_tokens=N] [--limit=N] [--seed=S] [--offline]
 
 `--checkpoint` takes a training work directory (its latest checkpoint) or one checkpoint's
-directory. The input defaults to the packaged GSM8K-256 prompts. The same prompts are also
+directory; the run's stored config is used unless `--config` is given (it must agree with the
+stored one on every key that shapes the draft). Sampling defaults to the config's `generate`
+section (greedy). The input defaults to the packaged GSM8K-256 prompts. The same prompts are also
 decoded by the target alone (same sampling, concurrency and max length) for the speedup,
 and at temperature 0 the two outputs are compared token for token. `--offline` adds the
 teacher-forced metrics (tau_prob, accept_rate@i) of the same checkpoint on the validation
@@ -19,45 +21,50 @@ import json
 from absl import app, flags
 from etils import epath
 
-from dspark_jax import sharding
-from dspark_jax.cli import define_config_flag
+from dspark_jax import experiments, sharding
+from dspark_jax.cli import SamplingFlags, checkpoint_config, define_config_flag
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.inference.timing import time_cycle_phases
 from dspark_jax.target import target_from_config
-from dspark_jax.target.generate import Generator, SamplingParams, generate_replies
-from dspark_jax.train import experiment
+from dspark_jax.target.generate import Generator, generate_replies
+from dspark_jax.train import components
 from dspark_jax.train.evaluation import evaluate_checkpoint
 
-_CONFIG = define_config_flag()
+_CONFIG = define_config_flag(default=None)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Training work directory or checkpoint.", required=True)
 _INPUT = flags.DEFINE_string("input", str(GSM8K_VAL256), "JSONL of {'turns': [...]} prompts.")
 _OUTPUT = flags.DEFINE_string("output", None, "Output JSON (report + per-request replies).")
-_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 1, "Requests decoded together.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generation cap per turn.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Use only the first N conversations (0 = all).")
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_SAMPLING = SamplingFlags()
 _OFFLINE = flags.DEFINE_bool("offline", False, "Also report offline tau_prob on the validation cache.")
 
 
 def main(argv):
     del argv
-    config = _CONFIG.value
+    config = checkpoint_config(_CONFIG, _CHECKPOINT.value)
+    sampling, seed = _SAMPLING.resolve(config)
     mesh = sharding.make_mesh(config.mesh.to_dict())
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
-    side = experiment.side_from_target(target, mesh)
-    graphdef, params, rest, step = experiment.restore_draft(config, target.config, mesh, _CHECKPOINT.value)
+    side = components.side_from_target(target, mesh)
+    graphdef, params, rest, step = components.restore_draft(config, target.config, mesh, _CHECKPOINT.value)
     conversations = read_turns_jsonl(_INPUT.value)[: _LIMIT.value or None]
-    sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value)
     kw = dict(
         eos_ids=target.eos_ids, pad_id=target.tokenizer.pad_id, batch_size=_CONCURRENCY.value, mesh=mesh
     )
     decoder = SpeculativeDecoder(
-        target.model, graphdef, params, rest, side.frozen, aux_layer_ids=config.data.aux_layer_ids, **kw
+        target.model,
+        graphdef,
+        params,
+        rest,
+        side.frozen,
+        proposer=experiments.get(config.experiment).proposer,
+        aux_layer_ids=config.data.aux_layer_ids,
+        **kw,
     )
-    reply_kw = dict(max_new_tokens=_MAX_NEW.value, params=sampling, seed=_SEED.value)
+    reply_kw = dict(max_new_tokens=_MAX_NEW.value, params=sampling, seed=seed)
     spec = generate_replies(decoder, target.tokenizer, target.chat_template, conversations, **reply_kw)
     baseline = Generator(target.model, padding="right", **kw)
     plain = generate_replies(baseline, target.tokenizer, target.chat_template, conversations, **reply_kw)
@@ -70,6 +77,8 @@ def main(argv):
     result = {
         "checkpoint_step": step,
         "settings": {
+            "experiment": config.experiment,
+            "seed": seed,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "concurrency": _CONCURRENCY.value,

@@ -2,20 +2,26 @@
 
 Every conversation becomes one sample: `input_ids` and the response-only `loss_mask` from
 `tokenize_conversation`, truncated to `max_length` (counted), then the target's aux layer
-outputs and post-norm final state. Conversations that cannot be tokenised (no assistant
-reply) are counted skips. A process builds the shards `process_index, process_index +
-process_count, ...`; a killed build resumes from each shard's last commit.
+outputs and post-norm final state. A conversation that does not become a sample is counted
+under its reason (`DROP_REASONS`): regeneration skipped it (its first prompt is longer than
+`data.regen_max_prompt_tokens`), or it cannot be tokenised (no assistant reply), or too few
+response tokens are left within `max_length`. A process builds the shards `process_index,
+process_index + process_count, ...`; a killed build resumes from each shard's last commit.
+
+Cache and replies paths may be URLs (`gs://bucket/prefix`): they are joined with '/' and never
+pass through `pathlib`, which would turn `gs://b` into `gs:/b`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
@@ -24,22 +30,46 @@ from tqdm import tqdm
 from dspark_jax.cache.features import FeatureExtractor
 from dspark_jax.cache.format import CacheSpec, estimate_bytes
 from dspark_jax.cache.writer import ShardWriter, create_or_open, finalize, read_progress
-from dspark_jax.data.conversations import GSM8K_VAL256, Message, load_conversations
-from dspark_jax.data.regenerate import regenerate
+from dspark_jax.data.conversations import GSM8K_VAL256, Conversation, Message, first_turns, load_conversations
+from dspark_jax.data.regenerate import (
+    NO_USER_TURN,
+    PROMPT_TOO_LONG,
+    is_url,
+    read_output,
+    regenerate,
+    skip_reason,
+)
 from dspark_jax.target import Target
 from dspark_jax.target.chat import tokenize_conversation
 
 logger = logging.getLogger(__name__)
 
+# Why a conversation did not become a sample: regeneration skipped it (see
+# `dspark_jax.data.regenerate.skip_reason`), or `tokenize_all` dropped it.
+NO_ASSISTANT_REPLY = "no_assistant_reply"
+NOT_TOKENIZABLE = "not_tokenizable"
+FEWER_THAN_2_RESPONSE_TOKENS = "fewer_than_2_response_tokens"
+DROP_REASONS = (
+    PROMPT_TOO_LONG,
+    NO_USER_TURN,
+    NO_ASSISTANT_REPLY,
+    NOT_TOKENIZABLE,
+    FEWER_THAN_2_RESPONSE_TOKENS,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenizedSamples:
-    """Token ids and loss masks of the samples a cache will hold, plus what was dropped or cut."""
+    """Token ids and loss masks of the samples a cache will hold, plus what was dropped or cut.
+
+    skipped: conversations dropped, `dropped` by reason. truncated: samples cut to max_length.
+    """
 
     input_ids: list[np.ndarray]
     loss_masks: list[np.ndarray]
     skipped: int
     truncated: int
+    dropped: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -47,29 +77,68 @@ class TokenizedSamples:
 
 
 def tokenize_all(
-    target: Target, conversations: Sequence[Sequence[Message]], max_length: int
+    target: Target,
+    conversations: Sequence[Sequence[Message]],
+    max_length: int,
+    indices: Sequence[int] | None = None,
 ) -> TokenizedSamples:
-    """Tokenises conversations for the cache; unusable ones are logged, counted skips."""
-    ids_list, masks, skipped, truncated = [], [], 0, 0
-    for index, messages in enumerate(conversations):
+    """Tokenises conversations for the cache; unusable ones are logged (info) and counted by reason.
+
+    `indices` name the conversations in the log (default: their positions).
+    """
+    ids_list, masks, truncated = [], [], 0
+    dropped: collections.Counter[str] = collections.Counter()
+
+    def drop(k: int, reason: str, detail: object) -> None:
+        dropped[reason] += 1
+        logger.info("conversation %d dropped (%s): %s", k if indices is None else indices[k], reason, detail)
+
+    for k, messages in enumerate(conversations):
+        if not any(isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages):
+            drop(k, NO_ASSISTANT_REPLY, "no assistant message")
+            continue
         try:
             ids, mask = tokenize_conversation(target.tokenizer, target.chat_template, messages)
         except ValueError as e:
-            logger.warning("conversation %d skipped: %s", index, e)
-            skipped += 1
+            drop(k, NOT_TOKENIZABLE, e)
             continue
         if len(ids) > max_length:
             truncated += 1
             ids, mask = ids[:max_length], mask[:max_length]
         if mask.sum() < 2:
-            logger.warning("conversation %d skipped: fewer than 2 response tokens within max_length", index)
-            skipped += 1
+            drop(k, FEWER_THAN_2_RESPONSE_TOKENS, f"{int(mask.sum())} within max_length={max_length}")
             continue
         ids_list.append(ids)
         masks.append(mask)
     if truncated:
         logger.info("%d of %d samples truncated to max_length=%d", truncated, len(ids_list), max_length)
-    return TokenizedSamples(ids_list, masks, skipped, truncated)
+    return TokenizedSamples(ids_list, masks, dropped.total(), truncated, dict(dropped))
+
+
+def count_dropped(records: Iterable[Mapping[str, Any]], samples: TokenizedSamples) -> dict[str, int]:
+    """Conversations that did not become samples, by reason: every `DROP_REASONS` key, 0 included.
+
+    `records` are the regeneration output lines (a skipped one has no `messages`); `samples` is
+    `tokenize_all` of the others.
+    """
+    dropped = collections.Counter(skip_reason(r) for r in records if "messages" not in r)
+    dropped.update(samples.dropped)
+    return {
+        reason: dropped[reason] for reason in (*DROP_REASONS, *sorted(dropped.keys() - set(DROP_REASONS)))
+    }
+
+
+def check_max_turns(max_turns: object) -> int:
+    """`data.regen_max_turns`, validated: user turns kept per conversation, at least 1."""
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"data.regen_max_turns must be an integer >= 1 (user turns kept), got {max_turns!r}")
+    return max_turns
+
+
+def cut_turns(conversations: Iterable[Conversation], max_turns: int) -> list[Conversation]:
+    """Each conversation cut before its `max_turns + 1`-th user turn (`data.regen_max_turns`)."""
+    max_turns = check_max_turns(max_turns)
+    return [first_turns(conversation, max_turns) for conversation in conversations]
 
 
 def cache_spec(target: Target, aux_layer_ids: Sequence[int], num_shards: int) -> CacheSpec:
@@ -146,17 +215,39 @@ def build_cache(
     return finalize(path) if complete else None
 
 
-def cache_root(config) -> Path:
-    """Where a config's regenerated replies and caches live (see `data.cache_dir` in configs/base.py)."""
-    if config.data.cache_dir:
-        return Path(config.data.cache_dir)
+def join_path(root: str, *parts: str) -> str:
+    """`root` (a local path or a URL) joined with relative parts; a URL keeps its `scheme://`."""
+    if not is_url(root):
+        return str(Path(root, *parts))
+    head = root if root.endswith("://") else root.rstrip("/") + "/"
+    return head + "/".join(parts)
+
+
+def local_cache_root(config) -> str:
+    """The default root of a config's caches: `$DSPARK_JAX_CACHE` or ~/.cache/dspark_jax, then the preset."""
     base = os.environ.get("DSPARK_JAX_CACHE") or Path.home() / ".cache" / "dspark_jax"
-    return Path(base) / config.preset
+    return str(Path(base) / config.preset)
+
+
+def cache_root(config) -> str:
+    """Where a config's regenerated replies and caches live (see `data.cache_dir` in configs/base.py).
+
+    A local path or a URL (`gs://bucket/prefix`), kept as given.
+    """
+    cache_dir = config.data.cache_dir
+    if not cache_dir:
+        return local_cache_root(config)
+    return cache_dir if is_url(cache_dir) else str(Path(cache_dir))
 
 
 def cache_path(config, target_fingerprint: str, split: str) -> str:
     """The cache of one split ('train' or 'val') for a config and target."""
-    return str(cache_root(config) / target_fingerprint[:12] / f"{split}_cache")
+    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_cache")
+
+
+def replies_path(config, target_fingerprint: str, split: str) -> str:
+    """The regenerated replies (JSONL) of one split for a config and target."""
+    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_replies.jsonl")
 
 
 def prepare_split(
@@ -171,38 +262,59 @@ def prepare_split(
 ) -> dict:
     """Regenerates a split's replies with the target and builds its cache; resumes whatever exists.
 
+    Conversations are cut to their first `data.regen_max_turns` user turns before regeneration.
     Returns a report: cache path, counts, projected bytes, and the manifest when complete.
+    `conversations` (read from the source; `source_skipped` are the records the source loader
+    rejected, by reason) = `samples` + `dropped_total`, and `dropped` names every reason.
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     data = config.data
+    max_turns = check_max_turns(data.regen_max_turns)  # before the (possibly slow) source is read
     source = data.train_source if split == "train" else (data.val_source or str(GSM8K_VAL256))
     limit = (data.train_limit if split == "train" else data.val_limit) or None
-    root = cache_root(config) / target.fingerprint[:12]
     loaded = load_conversations(source, limit=limit)
-    replies = root / f"{split}_replies.jsonl"
+    conversations = cut_turns(loaded.conversations, max_turns)
+    replies = replies_path(config, target.fingerprint, split)
     regenerate(
         target,
-        loaded.conversations,
+        conversations,
         replies,
         max_new_tokens=data.regen_max_new_tokens,
         seed=config.seed,
         batch_size=data.regen_batch_size,
         max_prompt_tokens=data.regen_max_prompt_tokens,
         mesh=mesh,
+        staging_dir=Path(local_cache_root(config), "staging"),
     )
-    records = [json.loads(line) for line in replies.read_text(encoding="utf-8").splitlines()]
-    conversations = [r["messages"] for r in records if "messages" in r]
-    samples = tokenize_all(target, conversations, data.max_length)
+    records = read_output(replies)
+    if len(records) != len(conversations):
+        raise ValueError(f"{replies}: {len(records)} lines for {len(conversations)} conversations")
+    kept = [r for r in records if "messages" in r]
+    samples = tokenize_all(target, [r["messages"] for r in kept], data.max_length, [r["index"] for r in kept])
+    dropped = count_dropped(records, samples)
+    if sum(dropped.values()):
+        logger.warning(
+            "%s: %d of %d conversations dropped: %s",
+            split,
+            sum(dropped.values()),
+            len(conversations),
+            {reason: n for reason, n in dropped.items() if n},
+        )
     spec = cache_spec(target, data.aux_layer_ids, data.num_shards)
     path = cache_path(config, target.fingerprint, split)
     report = {
         "split": split,
         "cache": path,
-        "conversations": len(loaded.conversations),
+        "replies": replies,
+        "conversations": len(conversations),
+        "source_skipped": dict(loaded.skipped),
+        "cut_to_max_turns": sum(len(a) != len(b) for a, b in zip(loaded.conversations, conversations)),
+        "regen_truncated": sum("truncated" in r for r in records),
         "samples": len(samples.input_ids),
         "tokens": samples.num_tokens,
-        "skipped": samples.skipped,
+        "dropped": dropped,
+        "dropped_total": sum(dropped.values()),
         "truncated": samples.truncated,
         "projected_bytes": projected_bytes(samples, spec),
     }

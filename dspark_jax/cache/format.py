@@ -127,17 +127,31 @@ def join(path: str, *parts: str) -> str:
     return "/".join([path.rstrip("/"), *parts])
 
 
+# One tensorstore context for the process, so that every open of a `memory://` cache sees the same store.
+CONTEXT = ts.Context()
+
+
 def kvstore_spec(path: str) -> dict[str, Any]:
-    """tensorstore kvstore spec of a directory: gcs for ``gs://bucket/prefix``, file otherwise."""
+    """tensorstore kvstore spec of a directory: ``gs://bucket/prefix`` (gcs), ``memory://prefix``,
+    ``file:///abs/path`` or a local path (file)."""
     if path.startswith("gs://"):
         bucket, _, prefix = path[len("gs://") :].partition("/")
         return {"driver": "gcs", "bucket": bucket, "path": prefix.strip("/") + "/" if prefix else ""}
+    if path.startswith("memory://"):
+        prefix = path[len("memory://") :].strip("/")
+        return {"driver": "memory", "path": prefix + "/" if prefix else ""}
+    if path.startswith("file://"):
+        path = path[len("file://") :]
+    elif "://" in path:
+        raise ValueError(
+            f"cache path {path!r}: unsupported URL scheme (use gs://, memory://, file:// or a path)"
+        )
     return {"driver": "file", "path": os.path.abspath(path) + "/"}
 
 
 def open_kvstore(path: str) -> ts.KvStore:
     """A kvstore rooted at directory ``path``; keys are relative to it."""
-    return ts.KvStore.open(kvstore_spec(path)).result()
+    return ts.KvStore.open(kvstore_spec(path), context=CONTEXT).result()
 
 
 def read_json(kv: ts.KvStore, key: str) -> dict[str, Any] | None:

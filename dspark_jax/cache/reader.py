@@ -81,7 +81,9 @@ class CacheDataSource:
             self._arrays = {}
         key = (shard, name)
         if key not in self._arrays:
-            self._arrays[key] = ts.open(fmt.array_spec(self.path, shard, name, self.spec, None)).result()
+            self._arrays[key] = ts.open(
+                fmt.array_spec(self.path, shard, name, self.spec, None), context=fmt.CONTEXT
+            ).result()
         return self._arrays[key]
 
     def __len__(self) -> int:
@@ -146,7 +148,9 @@ def verify(path: str, *, allow_incomplete: bool = False) -> int:
         def read(name: str, a: int, b: int, what: str, shard: int = s, stores=stores) -> np.ndarray:
             try:
                 if name not in stores:
-                    stores[name] = ts.open(fmt.array_spec(path, shard, name, spec, None)).result()
+                    stores[name] = ts.open(
+                        fmt.array_spec(path, shard, name, spec, None), context=fmt.CONTEXT
+                    ).result()
                 return stores[name][a:b].read().result()
             except ValueError as e:
                 raise CacheCorruptError(f"shard {shard}: cannot read {name} {what}: {e}") from e

@@ -135,10 +135,14 @@ class ShardWriter:
         n = len(self.sample_range)
         token_len = None if self.complete else fmt.TOKEN_CAPACITY
         self._arrays = {
-            name: ts.open(fmt.array_spec(path, shard, name, self.spec, token_len)).result()
+            name: ts.open(
+                fmt.array_spec(path, shard, name, self.spec, token_len), context=fmt.CONTEXT
+            ).result()
             for name in self.spec.array_names
         }
-        self._offsets = ts.open(fmt.array_spec(path, shard, "offsets", self.spec, n + 1)).result()
+        self._offsets = ts.open(
+            fmt.array_spec(path, shard, "offsets", self.spec, n + 1), context=fmt.CONTEXT
+        ).result()
         self._hashers = self._resume_hashers(progress["checksums"])
         self._offsets_hash = hashlib.sha256(
             self._offsets[1 : self.samples_done + 1].read().result().tobytes()

@@ -1,8 +1,8 @@
 """The grain input pipeline: cache records -> shuffled, padded, anchored per-process batches.
 
 Records (`source[i]`, any grain random-access source): `input_ids int32[T]`,
-`loss_mask uint8[T]`, `aux_hidden bf16[T, A, H]`, `last_hidden bf16[T, H]`, optional
-`engram bf16[T, De]`; `T` varies per record.
+`loss_mask uint8[T]`, `aux_hidden bf16[T, A, H]`, `last_hidden bf16[T, H]`; `T` varies per
+record (other fields of a record are ignored).
 
 Order of operations (all deterministic in `PipelineConfig.seed`):
 
@@ -16,27 +16,19 @@ Order of operations (all deterministic in `PipelineConfig.seed`):
    (`G` = global batch) whatever the process count. With finite epochs the tail that
    does not fill a global batch is dropped.
 
-Batch dict (per process, `B = per_process_batch`, `T = max_length`, `N = num_anchors`):
-`input_ids int32[B,T]` (pad `pad_id`), `loss_mask uint8[B,T]` (pad 0),
-`aux_hidden bf16[B,T,A,H]`, `last_hidden bf16[B,T,H]` (pad 0), optional
-`engram bf16[B,T,De]`, `anchors int32[B,N]`, `block_keep uint8[B,N]` (see
-`anchors.sample_anchors` for the padding convention), `seq_len int32[B]` (length after
-truncation), and per block (`K = block_size`): `labels int32[B,N,K]` (`x[a+1+i]`),
-`predecessors int32[B,N,K]` (`x[a+i]`, the Markov head's input) and `eval_mask uint8[B,N,K]`.
-The iterator counts truncated records (`truncated_count`, a log line each time it passes a
-power of two) and that count is part of its checkpointed state.
+Batch dict (per process, `B = per_process_batch`, `T = max_length`, `N = num_anchors`): the
+fields of `dspark_jax.data.batch.FIELDS` -- token fields padded to `T` (`input_ids` with
+`pad_id`, the rest with 0), `anchors`/`block_keep` (see `anchors.sample_anchors` for the padding
+convention) and `seq_len` (length after truncation). Labels, Markov predecessors and eval masks
+are derived on device (`dspark_jax.draft.blocks`). The iterator counts truncated records
+(`truncated_count`, a log line each time it passes a power of two) and that count is part of
+its checkpointed state.
 
-Checkpointing with orbax (the iterator is a `grain.DatasetIterator`; its JSON state goes
-through grain's orbax handler, one file per process)::
-
-    mngr = ocp.CheckpointManager(directory)
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(train_state),
-                                            data_iter=iterator_save_args(it)))
-    it = make_iterator(source, config)  # fresh pipeline, same source and config
-    mngr.restore(step, args=ocp.args.Composite(state=..., data_iter=iterator_restore_args(it)))
-
-The state layout depends on `worker_count` (grain keeps one cursor per worker), so resume
-with the same `worker_count` and process count. Worker processes are spawned: scripts
+Checkpointing: the iterator is a `grain.DatasetIterator`; `train.checkpoint.Checkpointer` saves
+its JSON state through grain's orbax handler (one file per process) and restores it into a fresh
+`make_iterator(source, config)` with the same source and config. The state layout depends on
+`worker_count` (grain keeps one cursor per worker), so resume with the same `worker_count` and
+process count. Worker processes are spawned: scripts
 that set `worker_count > 0` need the usual `if __name__ == "__main__":` guard.
 """
 
@@ -48,29 +40,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
-import grain.checkpoint
 import jax
-import ml_dtypes
 import numpy as np
 from absl import flags
 from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax.data import anchors as anchors_lib
+from dspark_jax.data.batch import TOKEN_FIELDS
 from dspark_jax.sharding import DEFAULT_RULES, Rules, logical_to_spec
 
 log = logging.getLogger(__name__)
 
 Batch = dict[str, np.ndarray]
 
-# Per-token record fields: name -> dtype in the batch.
-_TOKEN_FIELDS: dict[str, Any] = {
-    "input_ids": np.int32,
-    "loss_mask": np.uint8,
-    "aux_hidden": ml_dtypes.bfloat16,
-    "last_hidden": ml_dtypes.bfloat16,
-    "engram": ml_dtypes.bfloat16,
-}
-_REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 _TRUNCATED = "_truncated"
 
 
@@ -79,8 +61,7 @@ class PipelineConfig:
     """Input pipeline settings.
 
     `batch_size` is the global batch (all processes); `num_epochs=None` repeats forever;
-    `worker_count > 0` prepares batches in that many grain worker processes. `block_size` sets
-    the width of the per-block fields (`labels`, `predecessors`, `eval_mask`).
+    `worker_count > 0` prepares batches in that many grain worker processes.
     """
 
     max_length: int
@@ -88,12 +69,11 @@ class PipelineConfig:
     batch_size: int
     seed: int
     pad_id: int
-    block_size: int = anchors_lib.BLOCK_SIZE
     num_epochs: int | None = None
     worker_count: int = 0
 
     def __post_init__(self):
-        for key in ("max_length", "num_anchors", "batch_size", "block_size"):
+        for key in ("max_length", "num_anchors", "batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"PipelineConfig.{key} must be >= 1, got {getattr(self, key)}")
         if self.num_epochs is not None and self.num_epochs < 1:
@@ -119,15 +99,13 @@ def prepare_record(
 
     Adds the scalar `_truncated` flag, consumed by the iterator's truncation counter.
     """
-    missing = [name for name in _REQUIRED_FIELDS if name not in record]
+    missing = [name for name in TOKEN_FIELDS if name not in record]
     if missing:
-        raise ValueError(f"record lacks fields {missing}; records need {_REQUIRED_FIELDS}")
+        raise ValueError(f"record lacks fields {missing}; records need {list(TOKEN_FIELDS)}")
     length = int(np.shape(record["input_ids"])[0])
     kept = min(length, config.max_length)
     out: Batch = {}
-    for name, dtype in _TOKEN_FIELDS.items():
-        if name not in record:
-            continue
+    for name, dtype in TOKEN_FIELDS.items():
         value = np.asarray(record[name])
         if value.shape[:1] != (length,):
             raise ValueError(f"field {name!r} has shape {value.shape}, expected leading length {length}")
@@ -136,11 +114,6 @@ def prepare_record(
         padded[:kept] = value[:kept]
         out[name] = padded
     out["anchors"], out["block_keep"] = anchors_lib.sample_anchors(out["loss_mask"], config.num_anchors, rng)
-    out["labels"] = anchors_lib.block_labels(out["input_ids"], out["anchors"], config.block_size)
-    out["predecessors"] = anchors_lib.markov_predecessors(out["input_ids"], out["anchors"], config.block_size)
-    out["eval_mask"] = anchors_lib.eval_mask(
-        out["loss_mask"], out["anchors"], out["block_keep"], config.block_size
-    )
     out["seq_len"] = np.int32(kept)
     out[_TRUNCATED] = np.uint8(length > config.max_length)
     return out
@@ -259,16 +232,6 @@ def make_iterator(
     return iter(make_dataset(source, config, process_index=process_index, process_count=process_count))
 
 
-def iterator_save_args(iterator: grain.DatasetIterator) -> grain.checkpoint.CheckpointSave:
-    """Orbax save args for the iterator, for `ocp.args.Composite(..., data_iter=...)`."""
-    return grain.checkpoint.CheckpointSave(iterator)
-
-
-def iterator_restore_args(iterator: grain.DatasetIterator) -> grain.checkpoint.CheckpointRestore:
-    """Orbax restore args: restoring sets `iterator`'s state in place (and returns it)."""
-    return grain.checkpoint.CheckpointRestore(iterator)
-
-
 def to_global(
     batch: Mapping[str, np.ndarray], mesh: Mesh, rules: Rules = DEFAULT_RULES
 ) -> dict[str, jax.Array]:
@@ -283,10 +246,3 @@ def to_global(
         spec = logical_to_spec(("batch",) + (None,) * (local.ndim - 1), global_shape, mesh, rules)
         out[name] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local, global_shape)
     return out
-
-
-def global_batch_count(num_records: int, config: PipelineConfig) -> int | None:
-    """Global batches (optimizer micro-steps) one full run yields; None when `num_epochs` is None."""
-    if config.num_epochs is None:
-        return None
-    return num_records * config.num_epochs // config.batch_size

@@ -17,6 +17,12 @@ expected indices, drops what follows the last complete chunk (a partial line or 
 and continues, so a resumed run writes the same bytes as an uninterrupted one. The settings that
 determine the output live beside it in `<output>.run.json`; resuming with other settings or other
 conversations is refused.
+
+The output may be a URL (`gs://bucket/prefix/out.jsonl`, or anything `etils.epath` opens; `file://` URLs
+are local paths). Object stores cannot append or truncate, so such a run writes a local working copy
+(under `staging_dir`) exactly as above and uploads it whole, with its run file, every `sync_seconds` and at
+the end; a run starts from the uploaded copy when it is further along than the local one (another
+machine, a lost disk). The uploaded copy always ends at a chunk boundary.
 """
 
 from __future__ import annotations
@@ -26,12 +32,17 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from etils import epath
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -41,6 +52,13 @@ from dspark_jax.target.chat import prompt_ids
 from dspark_jax.target.generate import GREEDY, Generator, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Why a conversation was written as skipped (`skip_reason` maps the stored text to these keys).
+PROMPT_TOO_LONG = "prompt_too_long"
+NO_USER_TURN = "no_user_turn"
+SKIP_REASONS = (PROMPT_TOO_LONG, NO_USER_TURN)
+_NO_USER_TURN_TEXT = "no user turn"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +85,87 @@ def run_file(output_path: str | Path) -> Path:
     """Where the settings of the run writing `output_path` are kept."""
     output_path = Path(output_path)
     return output_path.with_name(output_path.name + ".run.json")
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether `path` is a URL (`scheme://...`) rather than a local path."""
+    return _URL.match(os.fspath(path)) is not None
+
+
+def local_path(path: str | os.PathLike) -> Path | None:
+    """`path` as a local path: a plain path as is, a `file://` URL as its path; None for other URLs."""
+    text = os.fspath(path)
+    if not is_url(text):
+        return Path(text)
+    url = urllib.parse.urlparse(text)
+    if url.scheme == "file" and url.netloc in ("", "localhost"):
+        return Path(urllib.parse.unquote(url.path))
+    return None
+
+
+def remote_path(url: str) -> epath.Path:
+    """An `etils.epath` path of a URL; ValueError for a scheme epath does not open."""
+    try:
+        return epath.Path(url)
+    except KeyError:
+        raise ValueError(
+            f"{url}: unsupported URL scheme for a regeneration output (gs://, s3://, az:// or file://)"
+        ) from None
+
+
+def staging_path(url: str, staging_dir: str | Path | None = None) -> Path:
+    """The local working copy of the output at `url` (see the module doc)."""
+    root = Path(tempfile.gettempdir()) / "dspark_jax_staging" if staging_dir is None else Path(staging_dir)
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return root / hashlib.sha256(url.encode()).hexdigest()[:16] / name
+
+
+def read_output(output_path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a regeneration output (a local path or a URL), one per line."""
+    local = local_path(output_path)
+    text = (local or remote_path(os.fspath(output_path))).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def skip_reason(record: Mapping[str, Any]) -> str:
+    """Why an output line written as skipped was skipped: one of `SKIP_REASONS`."""
+    return NO_USER_TURN if record.get("skipped") == _NO_USER_TURN_TEXT else PROMPT_TOO_LONG
+
+
+def _copy(source: Path | epath.Path, destination: Path | epath.Path) -> None:
+    with source.open("rb") as src, destination.open("wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def _pull(url: str, local: Path) -> None:
+    """Replaces the working copy `local` by the output at `url` when that one is further along."""
+    remote, remote_meta, meta = remote_path(url), remote_path(url + ".run.json"), run_file(local)
+    if not remote.exists():
+        return
+    if (
+        local.exists()
+        and meta.exists()
+        and remote_meta.exists()
+        and meta.read_bytes() == remote_meta.read_bytes()
+        and local.stat().st_size >= remote.stat().length
+    ):
+        return
+    logger.info("%s: starting from the uploaded copy", url)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    _copy(remote, local)
+    if remote_meta.exists():
+        _copy(remote_meta, meta)
+    else:
+        meta.unlink(missing_ok=True)
+
+
+def _push(local: Path, url: str) -> None:
+    """Uploads the working copy and its run file (the run file first) unless `url` already has them."""
+    remote, remote_meta, meta = remote_path(url), remote_path(url + ".run.json"), run_file(local)
+    if not (remote_meta.exists() and remote_meta.read_bytes() == meta.read_bytes()):
+        _copy(meta, remote_meta)
+    if not (remote.exists() and remote.stat().length == local.stat().st_size):
+        _copy(local, remote)
 
 
 def chunk_seed(seed: int, start: int, turn: int) -> int:
@@ -145,7 +244,7 @@ def _regenerate_chunk(
     for conversation in chunk:
         system = system_prompt(conversation)
         messages.append([] if system is None else [{"role": "system", "content": system}])
-    stopped: list[str | None] = [None if t else "no user turn" for t in turns]
+    stopped: list[str | None] = [None if t else _NO_USER_TURN_TEXT for t in turns]
     tokens = 0
     for turn in range(max(map(len, turns), default=0)):
         active, prompts = [], []
@@ -205,13 +304,15 @@ def regenerate(
     mesh: Mesh | None = None,
     progress: bool = True,
     on_chunk: Callable[[int], None] | None = None,
+    staging_dir: str | Path | None = None,
+    sync_seconds: float = 600.0,
 ) -> RegenerationReport:
     """Regenerates the assistant replies of `conversations` into the JSONL `output_path` (see module doc).
 
     Args:
       target: the model answering.
       conversations: normalised conversations (`dspark_jax.data.conversations`).
-      output_path: the output; an existing one from the same settings is resumed.
+      output_path: the output, a local path or a URL; an existing one from the same settings is resumed.
       max_new_tokens: reply length cap per turn.
       params: sampling; greedy by default.
       seed: non-negative base seed of the per-chunk seeds.
@@ -222,9 +323,16 @@ def regenerate(
       mesh: device mesh for generation.
       progress: show a tqdm progress bar.
       on_chunk: called with the number of conversations complete after each chunk is durable.
+      staging_dir: where the working copy of a URL output lives; default under the temp directory.
+      sync_seconds: least seconds between two uploads of a URL output (it is also uploaded at the end).
     """
     begin = time.perf_counter()
-    output_path = Path(output_path)
+    url = None
+    local = local_path(output_path)
+    if local is None:
+        url = os.fspath(output_path)
+        local = staging_path(url, staging_dir)
+    output_path = local
     context = target.config.max_position_embeddings
     if max_prompt_tokens is None:
         max_prompt_tokens = context - max_new_tokens
@@ -250,7 +358,10 @@ def regenerate(
         "chunk_size": chunk_size,
         "padding": padding,
     }
+    if url is not None:
+        _pull(url, output_path)
     resumed = _resume(output_path, settings, chunk_size, len(conversations))
+    synced = time.monotonic()
     if resumed:
         logger.info("%s: resuming after %d of %d conversations", output_path, resumed, len(conversations))
     generator = Generator(
@@ -287,6 +398,11 @@ def regenerate(
             tokens += chunk_tokens
             bar.update(len(records))
             bar.set_postfix(tokens=tokens, skipped=skipped)
+            if url is not None and time.monotonic() - synced >= sync_seconds:
+                _push(output_path, url)
+                synced = time.monotonic()
             if on_chunk is not None:
                 on_chunk(start + len(records))
+    if url is not None:
+        _push(output_path, url)
     return RegenerationReport(done, resumed, skipped, truncated, tokens, time.perf_counter() - begin)

@@ -15,13 +15,15 @@ or a different Markov head.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax import sharding
 from dspark_jax.kernels.block_attention import BlockMemory, block_attention
 from dspark_jax.nn import DecoderBlock, Dtype, Linear, RMSNorm, apply_rope, normal_init
 
@@ -30,11 +32,15 @@ from dspark_jax.nn import DecoderBlock, Dtype, Linear, RMSNorm, apply_rope, norm
 class DraftConfig:
     """Shape of the draft. `hidden_size` and `vocab_size` must equal the target's.
 
+    Built from a config's whole `draft` section plus what the target fixes (`from_config`); the
+    keys are documented in configs/base.py. Experiment groups with more draft settings subclass it.
+
     Attributes:
       num_aux: number of target layers in the context features (A).
-      mask_token_id: a spare target embedding row used as MASK; None = a learned vector.
+      mask_token_id: a spare target embedding row used as MASK; None (or -1) = a learned vector.
       attention: block attention implementation ('xla' or 'reference').
       anchor_chunk: blocks per chunk of the XLA block attention.
+      param_dtype, dtype: master-weight and compute dtypes.
     """
 
     hidden_size: int
@@ -52,8 +58,43 @@ class DraftConfig:
     mask_token_id: int | None = None
     attention: str = "xla"
     anchor_chunk: int = 16
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+
+    # Filled in from the target, not from the config's `draft` section.
+    TARGET_FIELDS: ClassVar[tuple[str, ...]] = (
+        "hidden_size",
+        "vocab_size",
+        "num_aux",
+        "rms_norm_eps",
+        "rope_theta",
+    )
+
+    @classmethod
+    def from_config(cls, draft: Mapping[str, Any], target, num_aux: int) -> DraftConfig:
+        """The draft of a config's `draft` section (every key) for `target` (a `TargetConfig`)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(draft) - names)
+        if unknown:
+            settable = sorted(names - set(cls.TARGET_FIELDS))
+            raise ValueError(
+                f"config.draft.{unknown[0]} is not a draft setting of {cls.__name__}; known: {settable}"
+            )
+        fixed = sorted(set(draft) & set(cls.TARGET_FIELDS))
+        if fixed:
+            raise ValueError(f"config.draft.{fixed[0]} comes from the target and cannot be set")
+        return cls(
+            **dict(draft),
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            num_aux=num_aux,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+        )
 
     def __post_init__(self):
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            object.__setattr__(self, "mask_token_id", None)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"draft {self.num_heads=} must be a multiple of {self.num_kv_heads=}")
         if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
@@ -155,16 +196,18 @@ class MarkovHead(nnx.Module):
 
 
 class DSparkDraft(nnx.Module):
-    """The baseline DSpark draft. Parameters in `param_dtype`, activations in `dtype`."""
+    """The baseline DSpark draft. Parameters in `param_dtype`, activations in `dtype` (default: `cfg`'s)."""
 
     def __init__(
         self,
         cfg: DraftConfig,
         *,
         rngs: nnx.Rngs,
-        param_dtype: Dtype = jnp.float32,
-        dtype: Dtype = jnp.float32,
+        param_dtype: Dtype | None = None,
+        dtype: Dtype | None = None,
     ):
+        param_dtype = jnp.dtype(param_dtype or cfg.param_dtype)
+        dtype = jnp.dtype(dtype or cfg.dtype)
         kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
         self.cfg = cfg
         self.dtype = dtype
@@ -215,6 +258,7 @@ class DSparkDraft(nnx.Module):
         inv_freq = self.inv_freq.get_value()
         for layer, ctx_kv in zip(self.layers, ctx_kvs, strict=True):
             x_BxNxSxH = layer(x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory_BxNxMxH, memory_valid_BxNxM)
+            x_BxNxSxH = sharding.constrain(x_BxNxSxH, ("batch", None, None, None))
         return self.final_norm(x_BxNxSxH)
 
     def base_logits(self, frozen: FrozenTarget, h_xH: jax.Array) -> jax.Array:

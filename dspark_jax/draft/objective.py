@@ -11,13 +11,12 @@ head, and the overlap is `a_i = sum_v min(p_i, q_i)`. With `w_i = exp(-i/4) * ev
 `CE = -log q_i[label]`, `L1 = sum_v |p_i - q_i|`, `BCE` = binary cross-entropy with logits of the
 confidence logit `s_i` against the soft target `stop_gradient(a_i)`.
 
-Global normalisation. Numerators and the denominator are summed over the *global* batch (all devices
+Global normalisation. Numerators and denominators are summed over the *global* batch (all devices
 and all micro-batches of one optimizer step) before dividing, so `block_objective_sums` returns sums
-and `loss_from_sums` / `metrics_from_sums` divide them. The denominator `sum(w)` depends only on the
-eval masks, never on parameters, so a gradient-accumulating trainer can compute it for the whole step
-first (`position_weights(eval_mask).sum()` over every micro-batch) and differentiate, per micro-batch,
-`weighted_loss(sums, global_weight)`; the sum of those micro-batch losses (and of their gradients)
-equals the loss (and gradient) of the whole global batch.
+and `loss_from_sums` / `metrics_from_sums` divide them. A trainer differentiates the loss
+*numerators* per micro-batch, adds gradients and sums over the step, and divides once at the end by
+the summed denominators (`LossTerms`), all on device: denominators that depend on the step's own
+computation (Draft Memory's dropped transitions, a rank loss's hit set) never visit the host.
 
 Memory. The vocabulary tensors (`[B, C, K, V]` logits, probabilities, log-probabilities for teacher
 and draft) exist for one chunk of `C` anchors at a time: chunks run under `jax.lax.scan` and each chunk
@@ -32,8 +31,14 @@ from collections.abc import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import sharding
+
 POSITION_DECAY = 4.0
-LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "bce": 1.0}
+
+# A loss is a sum of groups; each group is `sum(coefficient * numerator) / denominator`, every name a
+# key of the sums. The DSpark loss is one group over the position weights.
+LossTerms = Mapping[str, Mapping[str, float]]
+DSPARK_LOSS: LossTerms = {"weight": {"ce": 0.1, "l1": 0.9, "bce": 1.0}}
 
 HeadFn = Callable[[dict[str, jax.Array]], Mapping[str, jax.Array | Mapping[str, jax.Array]]]
 
@@ -55,7 +60,7 @@ def _chunk_sums(
 ) -> dict[str, jax.Array]:
     """All sums of one chunk of `C` anchors; see `block_objective_sums` for the keys."""
     out = head_fn(inputs)
-    logits_BxCxKxV = out["logits"].astype(jnp.float32)
+    logits_BxCxKxV = sharding.constrain(out["logits"].astype(jnp.float32), ("batch", None, None, "vocab"))
     conf_logit_BxCxK = out["confidence_logit"].astype(jnp.float32)
     teacher_logits_BxCxKxV = jnp.einsum(
         "bckh,hv->bckv",
@@ -76,6 +81,9 @@ def _chunk_sums(
     conf_err_BxCxK = jax.nn.sigmoid(conf_logit_BxCxK) - overlap_BxCxK
 
     weight_BxCxK = position_weights(mask_BxCxK)
+    # Confidence calibration along the block, as DeepSpec logs it: predicted vs actual prefix acceptance.
+    conf_prefix_BxCxK = jnp.cumprod(jax.nn.sigmoid(conf_logit_BxCxK) * mask_BxCxK, axis=-1)
+    accept_prefix_BxCxK = jnp.cumprod(overlap_BxCxK * mask_BxCxK, axis=-1)
 
     def masked(term_BxCxK: jax.Array, scale_BxCxK: jax.Array) -> jax.Array:
         return jnp.sum(scale_BxCxK * jnp.where(valid_BxCxK, term_BxCxK, 0.0))
@@ -95,8 +103,9 @@ def _chunk_sums(
         "blocks": jnp.sum(valid_block_BxC.astype(jnp.float32)),
         "accept": jnp.sum(accepted_BxCxK, axis=(0, 1)),
         "accept_count": jnp.sum(mask_BxCxK, axis=(0, 1)),
-        "conf_abs_err": masked(jnp.abs(conf_err_BxCxK), mask_BxCxK),
-        "conf_bias": masked(conf_err_BxCxK, mask_BxCxK),
+        "conf_abs_err": masked(jnp.abs(conf_err_BxCxK), weight_BxCxK),
+        "conf_bias": masked(conf_err_BxCxK, weight_BxCxK),
+        "conf_cumprod_bias": masked(conf_prefix_BxCxK - accept_prefix_BxCxK, weight_BxCxK),
         "predictions": jnp.sum(mask_BxCxK),
     }
     extra = {name: jnp.asarray(value, jnp.float32) for name, value in out.get("extra_sums", {}).items()}
@@ -131,8 +140,10 @@ def block_objective_sums(
     `ce_unweighted`, `l1_unweighted`, `bce_unweighted` (over valid predictions, no decay), `tau` (sum
     of per-block tau_prob over valid blocks), `blocks` (valid blocks: `eval_mask[..., 0] = 1`),
     `accept` [K] (sum of `a_i * eval_mask_i`), `accept_count` [K] (sum of `eval_mask_i`),
-    `conf_abs_err` and `conf_bias` (sums of `|sigmoid(s_i) - a_i|` and `sigmoid(s_i) - a_i` over valid
-    predictions), `predictions` (valid predictions), plus the `extra_sums` of `head_fn`.
+    `conf_abs_err`, `conf_bias` and `conf_cumprod_bias` (position-weighted sums of
+    `|sigmoid(s_i) - a_i|`, `sigmoid(s_i) - a_i` and
+    `cumprod_i(sigmoid(s_i) * mask_i) - cumprod_i(a_i * mask_i)`), `predictions` (valid
+    predictions), plus the `extra_sums` of `head_fn`.
     """
     if anchor_chunk < 1:
         raise ValueError(f"anchor_chunk must be >= 1, got {anchor_chunk}")
@@ -159,24 +170,34 @@ def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
     return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
 
 
-def weighted_loss(sums: Mapping[str, jax.Array], global_weight: jax.Array) -> jax.Array:
-    """`(0.1 * ce + 0.9 * l1 + bce) / global_weight`: one micro-batch's share of the global loss."""
-    numerator = sum(LOSS_WEIGHTS[name] * sums[name] for name in ("ce", "l1", "bce"))
-    return _safe_div(numerator, jnp.asarray(global_weight, jnp.float32))
+def loss_numerators(sums: Mapping[str, jax.Array], terms: LossTerms = DSPARK_LOSS) -> jax.Array:
+    """f32[G]: each loss group's numerator `sum(coefficient * sums[name])`, groups in `terms` order."""
+    return jnp.stack([sum(c * sums[name] for name, c in group.items()) for group in terms.values()])
 
 
-def loss_from_sums(sums: Mapping[str, jax.Array]) -> jax.Array:
-    """The DSpark loss of globally summed `sums`; 0 when no prediction is valid."""
-    return weighted_loss(sums, sums["weight"])
+def loss_denominators(sums: Mapping[str, jax.Array], terms: LossTerms = DSPARK_LOSS) -> jax.Array:
+    """f32[G]: each loss group's (globally summed) denominator."""
+    return jnp.stack([jnp.asarray(sums[name], jnp.float32) for name in terms])
+
+
+def normalise(numerators_G: jax.Array, denominators_G: jax.Array) -> jax.Array:
+    """`numerators / denominators` per group, 0 for an empty group (a group with no valid prediction)."""
+    return _safe_div(numerators_G, denominators_G)
+
+
+def loss_from_sums(sums: Mapping[str, jax.Array], terms: LossTerms = DSPARK_LOSS) -> jax.Array:
+    """The loss of globally summed `sums`: the sum of the normalised groups."""
+    return jnp.sum(normalise(loss_numerators(sums, terms), loss_denominators(sums, terms)))
 
 
 def metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """Scalar metrics of globally summed `sums` (`extra_sums` entries are left to the caller).
 
-    Keys: `loss`; `ce`, `l1`, `bce` (position-weighted, as in the loss); `ce_per_token`,
-    `l1_per_token`, `bce_per_token` (plain means over valid predictions); `tau_prob`;
-    `accept_rate@0` .. `accept_rate@{K-1}`; `confidence_abs_error`, `confidence_bias`;
-    `valid_blocks`, `valid_predictions`. Ratios with a zero denominator are 0.
+    Keys: `loss` (the DSpark loss); `ce`, `l1`, `bce` (position-weighted, as in the loss);
+    `ce_per_token`, `l1_per_token`, `bce_per_token` (plain means over valid predictions); `tau_prob`;
+    `accept_rate@0` .. `accept_rate@{K-1}`; `confidence_abs_error`, `confidence_bias`,
+    `confidence_cumprod_bias` (position-weighted means, as DeepSpec logs them); `valid_blocks`,
+    `valid_predictions`. Ratios with a zero denominator are 0.
     """
     weight, predictions = sums["weight"], sums["predictions"]
     metrics = {
@@ -187,8 +208,9 @@ def metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
             for name in ("ce", "l1", "bce")
         },
         "tau_prob": _safe_div(sums["tau"], sums["blocks"]),
-        "confidence_abs_error": _safe_div(sums["conf_abs_err"], predictions),
-        "confidence_bias": _safe_div(sums["conf_bias"], predictions),
+        "confidence_abs_error": _safe_div(sums["conf_abs_err"], weight),
+        "confidence_bias": _safe_div(sums["conf_bias"], weight),
+        "confidence_cumprod_bias": _safe_div(sums["conf_cumprod_bias"], weight),
         "valid_blocks": sums["blocks"],
         "valid_predictions": predictions,
     }

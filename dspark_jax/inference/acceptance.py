@@ -111,24 +111,3 @@ def accept_sampling(
     next_BxV = jnp.where(empty_Bx1, p_BxV, residual_BxV)
     next_token_B = sample(jnp.log(next_BxV), token_rng, _UNTEMPERED)
     return num_accepted_B, next_token_B
-
-
-def acceptance_stats(num_accepted_B: jax.Array, active_B: jax.Array, k: int) -> dict[str, jax.Array]:
-    """Per-cycle statistics over the active rows of a batch.
-
-    Returns `accepted_length_B` (tokens emitted, `num_accepted + 1`; 0 for inactive rows),
-    `histogram_K1` (entry `j` counts active rows that emitted `j + 1` tokens, lengths 1..K+1),
-    `num_cycles` (active rows) and `mean_accepted_length` (pooled over those cycles; 0 if none).
-    """
-    active_B = active_B.astype(bool)
-    length_B = jnp.where(active_B, num_accepted_B.astype(jnp.int32) + 1, 0)
-    lengths_K1 = jnp.arange(1, k + 2, dtype=jnp.int32)
-    histogram_K1 = jnp.sum(length_B[:, None] == lengths_K1[None, :], axis=0, dtype=jnp.int32)
-    num_cycles = jnp.sum(active_B, dtype=jnp.int32)
-    mean = jnp.sum(length_B).astype(jnp.float32) / jnp.maximum(num_cycles, 1).astype(jnp.float32)
-    return {
-        "accepted_length_B": length_B,
-        "histogram_K1": histogram_K1,
-        "num_cycles": num_cycles,
-        "mean_accepted_length": mean,
-    }

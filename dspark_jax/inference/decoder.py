@@ -12,10 +12,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dspark_jax import sharding
 from dspark_jax.draft.model import FrozenTarget
-from dspark_jax.inference.engine import SpecSettings, speculate_program
-from dspark_jax.target.generate import GREEDY, SamplingParams, check_prompts, pad_prompts, prompt_bucket
+from dspark_jax.inference.engine import DSPARK_PROPOSER, Proposer, SpecSettings, speculate_program
+from dspark_jax.target.generate import GREEDY, BatchedDecoding, SamplingParams, check_prompts
 from dspark_jax.target.model import Transformer
 
 
@@ -80,12 +79,13 @@ class SpecReport:
         }
 
 
-class SpeculativeDecoder:
-    """Speculative decoding of token prompts with a target and a trained DSpark draft.
+class SpeculativeDecoder(BatchedDecoding):
+    """Speculative decoding of token prompts with a target and a trained draft.
 
     Args:
       target: the target model. draft_graphdef/params/rest: the draft split by `nnx.split`.
       frozen: the target's embedding and LM head as the draft reads them.
+      proposer: how the draft's experiment group makes a block (`experiments.get(name).proposer`).
       aux_layer_ids: the target layers the draft was trained on.
       batch_size: concurrent requests per compiled program.
     """
@@ -98,12 +98,14 @@ class SpeculativeDecoder:
         draft_rest: nnx.State,
         frozen: FrozenTarget,
         *,
+        proposer: Proposer = DSPARK_PROPOSER,
         aux_layer_ids: Sequence[int],
         eos_ids: Sequence[int],
         pad_id: int,
         batch_size: int = 1,
         mesh: Mesh | None = None,
     ):
+        super().__init__(pad_id=pad_id, batch_size=batch_size, padding="right", mesh=mesh)
         draft_cfg = nnx.merge(draft_graphdef, draft_params, draft_rest).cfg
         t = target.cfg
         for name, d, v in (
@@ -117,37 +119,17 @@ class SpeculativeDecoder:
             raise ValueError("at least one EOS id is needed to stop decoding")
         self.target_graphdef, self.target_state = nnx.split(target)
         self.draft = (draft_graphdef, draft_params, draft_rest)
+        self.proposer = proposer
         self.block_size = draft_cfg.block_size
         self.frozen = frozen
         self.cfg = t
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.eos_ids = tuple(int(e) for e in eos_ids)
-        self.pad_id = pad_id
-        self.batch_size = batch_size
-        self.mesh = mesh or sharding.make_mesh()
         self.report = SpecReport()
-        self._compiled: dict[tuple, object] = {}
 
-    def _program(self, prompt_len: int, max_new: int, params: SamplingParams, tokens, lengths, rng):
-        key = (prompt_len, max_new, params)
-        if key not in self._compiled:
-            settings = SpecSettings(max_new, params, self.eos_ids, self.aux_layer_ids)
-            max_len = prompt_len + max_new + 2 * (self.block_size + 1)
-            fn = jax.jit(
-                functools.partial(
-                    speculate_program,
-                    target_graphdef=self.target_graphdef,
-                    draft_graphdef=self.draft[0],
-                    max_len=max_len,
-                    settings=settings,
-                )
-            )
-            begin = time.perf_counter()
-            self._compiled[key] = fn.lower(
-                self.target_state, self.draft[1], self.draft[2], self.frozen, tokens, lengths, rng
-            ).compile()
-            self.report.compile_seconds += time.perf_counter() - begin
-        return self._compiled[key]
+    def max_len(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache slots of a program: prompt, new tokens and room for one block past the end."""
+        return prompt_len + max_new_tokens + 2 * (self.block_size + 1)
 
     def generate(
         self,
@@ -162,29 +144,34 @@ class SpeculativeDecoder:
             prompts, max_new_tokens, self.cfg.max_position_embeddings, reserved=2 * (self.block_size + 1)
         )
         results = []
-        for start in range(0, len(prompts), self.batch_size):
-            chunk = prompts[start : start + self.batch_size]
-            length = prompt_bucket(max(len(p) for p in chunk))
-            tokens, lengths = pad_prompts(chunk, self.batch_size, length, self.pad_id, "right")
-            tokens, lengths = (
-                sharding.shard_batch(tokens, self.mesh),
-                sharding.shard_batch(lengths, self.mesh),
+        for batch in self.batches(prompts):
+            settings = SpecSettings(max_new_tokens, params, self.eos_ids, self.aux_layer_ids)
+            fn = functools.partial(
+                speculate_program,
+                target_graphdef=self.target_graphdef,
+                draft_graphdef=self.draft[0],
+                max_len=self.max_len(batch.length, max_new_tokens),
+                settings=settings,
+                proposer=self.proposer,
             )
-            rng = jax.random.fold_in(jax.random.key(seed), start)
-            program = self._program(length, max_new_tokens, params, tokens, lengths, rng)
+            rng = jax.random.fold_in(jax.random.key(seed), batch.start)
+            args = (self.target_state, *self.draft[1:], self.frozen, batch.tokens_BxP, batch.lengths_B)
+            args = (*args, batch.real_B, rng)
+            program = self.compiled((batch.length, max_new_tokens, params), fn, *args)
             begin = time.perf_counter()
-            state = jax.device_get(
-                program(self.target_state, self.draft[1], self.draft[2], self.frozen, tokens, lengths, rng)
-            )
+            state = jax.device_get(program(*args))
             self.report.seconds += time.perf_counter() - begin
             out, counts = np.asarray(state.out_BxO), np.asarray(state.count_B)
-            for row in range(len(chunk)):
+            new = []
+            for row in range(batch.rows):
                 ids = out[row, : counts[row]].tolist()
-                results.append(ids[: next((i for i, t in enumerate(ids) if t in self.eos_ids), len(ids))])
+                new.append(ids[: next((i for i, t in enumerate(ids) if t in self.eos_ids), len(ids))])
+            results += new
             self.report.add(
                 {k: np.asarray(v) for k, v in state.stats.items()},
-                len(chunk),
-                int(sum(len(r) for r in results[-len(chunk) :])),
+                batch.rows,
+                sum(len(r) for r in new),
                 int(state.cycle),
             )
+        self.report.compile_seconds = self.compile_seconds
         return results

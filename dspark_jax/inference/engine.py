@@ -15,12 +15,17 @@ known but not yet fed to the target. One cycle:
 
 Rows advance independently (per-row cache lengths); the whole decode is one `while_loop`.
 Prompts are right-padded, so cache slots equal positions.
+
+Steps 1-2 belong to the experiment group: a `Proposer` (registered with the group in
+`dspark_jax.experiments`) makes the block and may carry per-request state across cycles
+(Draft Memory's last-round hidden states, a reranker's prefix K/V, Engram lookups).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -43,11 +48,11 @@ class SpecSettings:
 
 
 class SpecState(NamedTuple):
-    """Loop state; `B` rows, `S` cache slots, `O` output slots."""
+    """Loop state; `B` rows, `T` cache slots, `O` output slots."""
 
     cycle: jax.Array
     target_cache: KVCache
-    draft_k: tuple[jax.Array, ...]  # per draft layer [B, S, KV, D]
+    draft_k: tuple[jax.Array, ...]  # per draft layer [B, T, G, D]
     draft_v: tuple[jax.Array, ...]
     pending_B: jax.Array  # x[p], the next token not yet fed to the target
     out_BxO: jax.Array
@@ -55,6 +60,30 @@ class SpecState(NamedTuple):
     done_B: jax.Array
     rng: jax.Array
     stats: dict[str, jax.Array]
+    carry: Any  # the proposer's per-request state
+
+
+class Proposals(NamedTuple):
+    """A block of `S` proposals per row: tokens, the logits they were drawn from, predicted acceptance."""
+
+    drafts_BxS: jax.Array
+    logits_BxSxV: jax.Array
+    confidence_BxS: jax.Array
+
+
+class Proposer(NamedTuple):
+    """How an experiment group drafts a block at inference, in two phases timed apart.
+
+    draft_pass(draft, frozen, state) -> draft output (a pytree; the baseline's final states `h`)
+    select(draft, frozen, draft_out, state, rng, params) -> `Proposals`
+    init_carry(draft, rows) -> per-request state carried across cycles (`()` for none)
+    next_carry(draft, carry, draft_out, num_accepted_B, active_B) -> the carry of the next cycle
+    """
+
+    draft_pass: Callable
+    select: Callable
+    init_carry: Callable = lambda draft, rows: ()
+    next_carry: Callable = lambda draft, carry, draft_out, num_accepted_B, active_B: carry
 
 
 def _write_rows(buffer_BxSx, new_BxTx, start_B):
@@ -73,16 +102,18 @@ def append_context(draft: DSparkDraft, draft_k, draft_v, aux_BxTxAxH, start_B):
     return new_k, new_v
 
 
-def draft_hidden(draft: DSparkDraft, frozen: FrozenTarget, draft_k, draft_v, pending_B, p_B):
+def draft_hidden(draft: DSparkDraft, frozen: FrozenTarget, state: SpecState) -> jax.Array:
     """Draft states `h [B, S, H]` of the block anchored at `p` (context `j < p`)."""
-    x_Bx1xSxH = draft.block_inputs(frozen, pending_B[:, None])
-    h = draft.backbone(x_Bx1xSxH, list(zip(draft_k, draft_v)), p_B[:, None])
-    return h[:, 0]
+    x_Bx1xSxH = draft.block_inputs(frozen, state.pending_B[:, None])
+    ctx_kvs = list(zip(state.draft_k, state.draft_v))
+    return draft.backbone(x_Bx1xSxH, ctx_kvs, state.target_cache.end_B[:, None])[:, 0]
 
 
-def select(draft: DSparkDraft, frozen: FrozenTarget, h_BxSxH, pending_B, rng, params: SamplingParams):
-    """Sequential Markov selection: `(drafts [B, S], draft logits [B, S, V], confidence [B, S])`."""
-    token_B = pending_B
+def markov_select(
+    draft: DSparkDraft, frozen: FrozenTarget, h_BxSxH, state: SpecState, rng, params: SamplingParams
+) -> Proposals:
+    """Sequential Markov selection: each slot's token from its corrected logits given the previous choice."""
+    token_B = state.pending_B
     base_BxSxV = draft.base_logits(frozen, h_BxSxH)  # one pass over the LM head for the whole block
     drafts, logits, confidence = [], [], []
     for i in range(h_BxSxH.shape[1]):
@@ -91,7 +122,10 @@ def select(draft: DSparkDraft, frozen: FrozenTarget, h_BxSxH, pending_B, rng, pa
         drafts.append(token_B)
         logits.append(out["logits"])
         confidence.append(jax.nn.sigmoid(out["confidence_logit"]))
-    return jnp.stack(drafts, 1), jnp.stack(logits, 1), jnp.stack(confidence, 1)
+    return Proposals(jnp.stack(drafts, 1), jnp.stack(logits, 1), jnp.stack(confidence, 1))
+
+
+DSPARK_PROPOSER = Proposer(draft_hidden, markov_select)
 
 
 def prefill(
@@ -99,12 +133,17 @@ def prefill(
     draft: DSparkDraft,
     tokens_BxP,
     lengths_B,
+    real_B,
     *,
     max_len: int,
     settings: SpecSettings,
     rng,
+    proposer: Proposer = DSPARK_PROPOSER,
 ):
-    """Target prefill of right-padded prompts; returns the first loop state (first token emitted)."""
+    """Target prefill of right-padded prompts; returns the first loop state (first token emitted).
+
+    Padding rows (`real_B` False) start done: they never cycle and never count in the statistics.
+    """
     b, _ = tokens_BxP.shape
     cache = KVCache.zeros(target.cfg, b, max_len, target.dtype)
     out = target(tokens_BxP, cache=cache, aux_layer_ids=settings.aux_layer_ids)
@@ -133,16 +172,11 @@ def prefill(
         first_B,
         out_BxO,
         jnp.ones((b,), jnp.int32),
-        jnp.isin(first_B, eos) | (settings.max_new_tokens <= 1),
+        jnp.isin(first_B, eos) | (settings.max_new_tokens <= 1) | ~real_B,
         rng,
         stats,
+        proposer.init_carry(draft, b),
     )
-
-
-def dspark_proposals(draft: DSparkDraft, frozen: FrozenTarget, state: SpecState, rng, params: SamplingParams):
-    """The DSpark draft's block proposals: one backbone pass, then sequential Markov selection."""
-    h = draft_hidden(draft, frozen, state.draft_k, state.draft_v, state.pending_B, state.target_cache.end_B)
-    return select(draft, frozen, h, state.pending_B, rng, params)
 
 
 def cycle(
@@ -151,16 +185,17 @@ def cycle(
     frozen: FrozenTarget,
     state: SpecState,
     settings: SpecSettings,
-    propose=dspark_proposals,
+    proposer: Proposer = DSPARK_PROPOSER,
 ) -> SpecState:
-    """One draft-select-verify-accept cycle for every row (finished rows change nothing).
-
-    `propose(draft, frozen, state, rng, params) -> (drafts [B, K], draft logits [B, K, V],
-    confidence [B, K])` makes the block; tests substitute chosen proposals.
-    """
+    """One draft-select-verify-accept cycle for every row (finished rows change nothing)."""
     rng = cycle_rng(state)
-    proposals = propose(draft, frozen, state, jax.random.fold_in(rng, 0), settings.params)
-    return verify_and_accept(target, draft, state, proposals, settings, jax.random.fold_in(rng, 1))
+    draft_out = proposer.draft_pass(draft, frozen, state)
+    proposals = proposer.select(draft, frozen, draft_out, state, jax.random.fold_in(rng, 0), settings.params)
+    new_state, num_accepted_B = verify_and_accept(
+        target, draft, state, proposals, settings, jax.random.fold_in(rng, 1)
+    )
+    carry = proposer.next_carry(draft, state.carry, draft_out, num_accepted_B, ~state.done_B)
+    return new_state._replace(carry=carry)
 
 
 def cycle_rng(state: SpecState) -> jax.Array:
@@ -168,9 +203,17 @@ def cycle_rng(state: SpecState) -> jax.Array:
 
 
 def verify_and_accept(
-    target: Transformer, draft: DSparkDraft, state: SpecState, proposals, settings: SpecSettings, rng
-) -> SpecState:
-    """Target verification of the proposals, acceptance, emission and cache roll-back."""
+    target: Transformer,
+    draft: DSparkDraft,
+    state: SpecState,
+    proposals: Proposals,
+    settings: SpecSettings,
+    rng,
+) -> tuple[SpecState, jax.Array]:
+    """Target verification of the proposals, acceptance, emission and cache roll-back.
+
+    Returns the next state and the number of accepted proposals per row.
+    """
     drafts_BxK, draft_logits, confidence_BxK = proposals
     p_B = state.target_cache.end_B
     verify = target(
@@ -211,18 +254,18 @@ def verify_and_accept(
     }
     count_B = state.count_B + n_emit_B
     done_B = state.done_B | hit_eos | (count_B >= settings.max_new_tokens)
-    return SpecState(
-        state.cycle + 1,
-        target_cache,
-        draft_k,
-        draft_v,
-        jnp.where(active_B, next_B, state.pending_B),
-        out_BxO,
-        count_B,
-        done_B,
-        state.rng,
-        stats,
+    next_state = state._replace(
+        cycle=state.cycle + 1,
+        target_cache=target_cache,
+        draft_k=draft_k,
+        draft_v=draft_v,
+        pending_B=jnp.where(active_B, next_B, state.pending_B),
+        out_BxO=out_BxO,
+        count_B=count_B,
+        done_B=done_B,
+        stats=stats,
     )
+    return next_state, m_B
 
 
 def speculate_program(
@@ -232,17 +275,29 @@ def speculate_program(
     frozen,
     tokens_BxP,
     lengths_B,
+    real_B,
     rng,
     *,
     target_graphdef,
     draft_graphdef,
     max_len: int,
     settings: SpecSettings,
+    proposer: Proposer = DSPARK_PROPOSER,
 ):
     """Prefill + cycles until every row is done; returns the final `SpecState`."""
     target = nnx.merge(target_graphdef, target_state)
     draft = nnx.merge(draft_graphdef, draft_params, draft_rest)
-    state = prefill(target, draft, tokens_BxP, lengths_B, max_len=max_len, settings=settings, rng=rng)
+    state = prefill(
+        target,
+        draft,
+        tokens_BxP,
+        lengths_B,
+        real_B,
+        max_len=max_len,
+        settings=settings,
+        rng=rng,
+        proposer=proposer,
+    )
     return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done_B), lambda s: cycle(target, draft, frozen, s, settings), state
+        lambda s: ~jnp.all(s.done_B), lambda s: cycle(target, draft, frozen, s, settings, proposer), state
     )

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dspark_jax import sharding
 from dspark_jax.nn import gqa_attention
 
 
@@ -97,7 +98,8 @@ def block_attention_xla(
     def body(carry, xs):
         q, k_blk, v_blk, anchors, *mem = xs
         mem = BlockMemory(*mem) if mem else None
-        return carry, _chunk_attention(q, k_ctx_BxTxKxD, v_ctx_BxTxKxD, k_blk, v_blk, anchors, mem)
+        out = _chunk_attention(q, k_ctx_BxTxKxD, v_ctx_BxTxKxD, k_blk, v_blk, anchors, mem)
+        return carry, sharding.constrain(out, ("batch", None, None, "heads", None))
 
     _, out = jax.lax.scan(body, None, chunks)
     out = out.swapaxes(0, 1).reshape(b, n + n_pad, *q_BxNxSxHxD.shape[2:])

@@ -8,10 +8,8 @@ dense, SmolLM2); the differences between families are flags (`attention_bias`,
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -191,19 +189,6 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Targe
         )
     except KeyError as e:
         raise ValueError(f"{source}: missing required key {e.args[0]!r}") from None
-
-
-def load_hf_config(path: str | Path) -> TargetConfig:
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"target config not found: {path}")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return from_hf_config(cfg, source=str(path))
 
 
 def from_gguf_metadata(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import jax
@@ -172,7 +172,59 @@ def _generate_program(
     return out_BxN, jnp.sum(jnp.cumprod(produced_BxN, axis=1), axis=1)
 
 
-class Generator:
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """One padded batch of prompts: rows `start .. start + rows - 1` of the request list."""
+
+    start: int
+    rows: int  # real prompts; the rest of the batch is padding
+    length: int  # the prompt bucket
+    tokens_BxP: jax.Array  # sharded over the mesh's batch axes
+    lengths_B: jax.Array
+    real_B: jax.Array  # True on the real rows
+    prompt_tokens: int
+
+
+class BatchedDecoding:
+    """What batched decoders share: requests cut into padded batches of `batch_size` rows, one
+    compiled program per prompt bucket and setting (compile time kept apart from decode time)."""
+
+    def __init__(self, *, pad_id: int, batch_size: int, padding: str, mesh: Mesh | None):
+        if padding not in ("left", "right"):
+            raise ValueError(f"padding must be 'left' or 'right', got {padding!r}")
+        self.pad_id = pad_id
+        self.batch_size = batch_size
+        self.padding = padding
+        self.mesh = mesh or sharding.make_mesh()
+        self.compile_seconds = 0.0
+        self._compiled: dict[tuple, object] = {}
+
+    def compiled(self, key: tuple, fn: Callable, *args):
+        """The compiled program for `key`: `fn` jitted and compiled for `args` on first use."""
+        if key not in self._compiled:
+            begin = time.perf_counter()
+            self._compiled[key] = jax.jit(fn).lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - begin
+        return self._compiled[key]
+
+    def batches(self, prompts: Sequence[Sequence[int]]) -> Iterator[PromptBatch]:
+        """The prompts as padded, sharded batches, in order."""
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start : start + self.batch_size]
+            length = prompt_bucket(max(len(p) for p in chunk))
+            tokens, lengths = pad_prompts(chunk, self.batch_size, length, self.pad_id, self.padding)
+            yield PromptBatch(
+                start,
+                len(chunk),
+                length,
+                sharding.shard_batch(tokens, self.mesh),
+                sharding.shard_batch(lengths, self.mesh),
+                sharding.shard_batch(np.arange(self.batch_size) < len(chunk), self.mesh),
+                int(lengths[: len(chunk)].sum()),
+            )
+
+
+class Generator(BatchedDecoding):
     """Generates continuations of token prompts with a target model.
 
     Args:
@@ -194,39 +246,13 @@ class Generator:
         padding: str = "left",
         mesh: Mesh | None = None,
     ):
-        if padding not in ("left", "right"):
-            raise ValueError(f"padding must be 'left' or 'right', got {padding!r}")
+        super().__init__(pad_id=pad_id, batch_size=batch_size, padding=padding, mesh=mesh)
         if not eos_ids:
             raise ValueError("at least one EOS id is needed to stop generation")
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         self.eos_ids = tuple(int(t) for t in eos_ids)
-        self.pad_id = pad_id
-        self.batch_size = batch_size
-        self.padding = padding
-        self.mesh = mesh or sharding.make_mesh()
         self.stats = GenerationStats()
-        self._compiled: dict[tuple, object] = {}
-
-    def _program(self, prompt_len: int, max_new_tokens: int, params: SamplingParams):
-        key = (prompt_len, max_new_tokens, params)
-        if key not in self._compiled:
-            fn = jax.jit(
-                functools.partial(
-                    _generate_program,
-                    graphdef=self.graphdef,
-                    max_new_tokens=max_new_tokens,
-                    params=params,
-                    eos_ids=self.eos_ids,
-                    padding=self.padding,
-                )
-            )
-            tokens = sharding.shard_batch(np.zeros((self.batch_size, prompt_len), np.int32), self.mesh)
-            lengths = sharding.shard_batch(np.ones((self.batch_size,), np.int32), self.mesh)
-            begin = time.perf_counter()
-            self._compiled[key] = fn.lower(self.state, tokens, lengths, jax.random.key(0)).compile()
-            self.stats.compile_seconds += time.perf_counter() - begin
-        return self._compiled[key]
 
     def generate(
         self,
@@ -240,23 +266,24 @@ class Generator:
         check_prompts(prompts, max_new_tokens, self.cfg.max_position_embeddings)
         results: list[list[int]] = []
         rng = jax.random.key(seed)
-        for start in range(0, len(prompts), self.batch_size):
-            chunk = prompts[start : start + self.batch_size]
-            length = prompt_bucket(max(len(p) for p in chunk))
-            program = self._program(length, max_new_tokens, params)
-            tokens, lengths = pad_prompts(chunk, self.batch_size, length, self.pad_id, self.padding)
+        fn = functools.partial(
+            _generate_program,
+            graphdef=self.graphdef,
+            max_new_tokens=max_new_tokens,
+            params=params,
+            eos_ids=self.eos_ids,
+            padding=self.padding,
+        )
+        for batch in self.batches(prompts):
+            args = (self.state, batch.tokens_BxP, batch.lengths_B, jax.random.fold_in(rng, batch.start))
+            program = self.compiled((batch.length, max_new_tokens, params), fn, *args)
             begin = time.perf_counter()
-            out, counts = program(
-                self.state,
-                sharding.shard_batch(tokens, self.mesh),
-                sharding.shard_batch(lengths, self.mesh),
-                jax.random.fold_in(rng, start),
-            )
-            out, counts = np.asarray(out), np.asarray(counts)
+            out, counts = jax.device_get(program(*args))
             self.stats.seconds += time.perf_counter() - begin
-            self.stats.prompt_tokens += int(lengths[: len(chunk)].sum())
-            self.stats.generated_tokens += int(counts[: len(chunk)].sum())
-            results.extend(out[row, : counts[row]].tolist() for row in range(len(chunk)))
+            self.stats.prompt_tokens += batch.prompt_tokens
+            self.stats.generated_tokens += int(counts[: batch.rows].sum())
+            results.extend(out[row, : counts[row]].tolist() for row in range(batch.rows))
+        self.stats.compile_seconds = self.compile_seconds
         return results
 
 

@@ -114,15 +114,7 @@ class Checkpointer:
         shaped like the saved state. `data_iter`, when given, is set in place to the saved
         iterator position. Returns `(state, meta)`.
         """
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        if step not in self._manager.all_steps():
-            saved_steps = self.all_steps()
-            raise FileNotFoundError(
-                f"no checkpoint for step {step} in {self.directory} (saved: {saved_steps})"
-            )
+        step = self._existing_step(step)
         saved = self._manager.item_metadata(step)
         _check_matches(saved[_STATE], abstract_state, where=self.directory / str(step))
         items: dict[str, ocp.args.CheckpointArgs] = {
@@ -135,6 +127,38 @@ class Checkpointer:
             items[_DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iter)
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored[_STATE], dict(restored[_META] or {})
+
+    def meta(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON meta item of `step` (None: the latest), without reading any array."""
+        step = self._existing_step(step)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+        return dict(restored[_META] or {})
+
+    def restore_params(self, step: int | None, abstract_params: Any) -> Any:
+        """Only `state['params']` of `step`, into the layout of `abstract_params` (no optimizer state)."""
+        step = self._existing_step(step)
+        saved = self._manager.item_metadata(step)[_STATE]
+        _check_matches(saved["params"], abstract_params, where=self.directory / str(step))
+        restored = ocp.PyTreeCheckpointer().restore(
+            self.directory / str(step) / _STATE,
+            args=ocp.args.PyTreeRestore(
+                item={"params": abstract_params},
+                restore_args=ocp.checkpoint_utils.construct_restore_args({"params": abstract_params}),
+                partial_restore=True,
+            ),
+        )
+        return restored["params"]
+
+    def _existing_step(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        if step not in self._manager.all_steps():
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self.directory} (saved: {self.all_steps()})"
+            )
+        return step
 
     def wait(self) -> None:
         """Blocks until a background save has finished."""

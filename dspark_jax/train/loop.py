@@ -20,12 +20,11 @@ from typing import Any
 import jax
 import numpy as np
 from etils import epath
-from jax.experimental import multihost_utils
 
-from dspark_jax import sharding
+from dspark_jax import config_lib, experiments, sharding
+from dspark_jax.data.batch import device_fields
 from dspark_jax.data.pipeline import make_iterator, to_global
-from dspark_jax.draft import objective
-from dspark_jax.train import evaluation, experiment
+from dspark_jax.train import components, evaluation
 from dspark_jax.train import step as step_lib
 from dspark_jax.train.checkpoint import Checkpointer
 from dspark_jax.train.metrics_writer import MetricWriter
@@ -47,22 +46,8 @@ def split_micro_batches(batch: Mapping[str, np.ndarray], num: int) -> list[dict[
             f"per-process batch of {rows} rows does not split into train.grad_accum={num} micro-batches"
         )
     size = rows // num
-    return [{k: batch[k][i * size : (i + 1) * size] for k in step_lib.DEVICE_FIELDS} for i in range(num)]
-
-
-def validate(config) -> None:
-    """Fails early, naming the config key, on settings that cannot work together."""
-    t = config.train
-    if t.global_batch % t.grad_accum:
-        raise ValueError(
-            f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"
-        )
-    if not 0 < t.stop_step <= t.total_steps:
-        raise ValueError(f"train.stop_step={t.stop_step} must be in [1, train.total_steps={t.total_steps}]")
-    if len(config.data.aux_layer_ids) < 1:
-        raise ValueError("data.aux_layer_ids must name at least one target layer")
-    if config.draft.block_size != 7:
-        log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
+    fields = device_fields(batch)
+    return [{k: v[i * size : (i + 1) * size] for k, v in fields.items()} for i in range(num)]
 
 
 def _scalars(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
@@ -72,27 +57,29 @@ def _scalars(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
 def train(config, workdir: str | os.PathLike) -> dict[str, float]:
     """Trains the draft described by `config` in `workdir` (a local path or gs://...); returns the last
     logged metrics."""
-    validate(config)
+    config_lib.validate(config)
     workdir = epath.Path(workdir)
     t = config.train
+    experiment = experiments.get(config.experiment)
 
     # ---- Mesh, target side, caches -------------------------------------------------------
     mesh = sharding.make_mesh(config.mesh.to_dict())
-    side, cache_paths = experiment.prepare_target_side(config, mesh)
-    train_source = experiment.open_source(cache_paths["train"], config, side)
-    val_source = experiment.open_source(cache_paths["val"], config, side)
+    rules = sharding.rules_of(config)
+    side, cache_paths = components.prepare_target_side(config, mesh)
+    train_source = components.open_source(cache_paths["train"], config, side)
+    val_source = components.open_source(cache_paths["val"], config, side)
     log.info("caches: train %d samples, val %d samples", len(train_source), len(val_source))
 
     # ---- Draft, optimizer -------------------------------------------------------------------
-    graphdef, params, rest = experiment.init_draft(config, side.config, mesh)
-    schedule, optimizer = experiment.make_training_optimizer(config)
+    graphdef, params, rest = components.init_draft(config, side.config, mesh)
+    schedule, optimizer = components.make_training_optimizer(config, params)
     opt_state = jax.jit(optimizer.init)(params)
 
     # ---- Input pipelines ----------------------------------------------------------------------
     micro_rows = t.global_batch // t.grad_accum
     train_iter = make_iterator(
         train_source,
-        experiment.pipeline_config(
+        components.pipeline_config(
             config, side, batch_size=t.global_batch, seed=config.seed, num_epochs=None
         ),
     )
@@ -100,7 +87,7 @@ def train(config, workdir: str | os.PathLike) -> dict[str, float]:
     def val_batches():
         return make_iterator(
             val_source,
-            experiment.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1),
+            components.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1),
         )
 
     # ---- Checkpoint restore -------------------------------------------------------------------
@@ -110,16 +97,21 @@ def train(config, workdir: str | os.PathLike) -> dict[str, float]:
     state = {"params": params, "opt_state": opt_state}
     start = checkpointer.latest_step() or 0
     if start:
-        state, _ = checkpointer.restore(start, experiment.abstract_state(state), data_iter=train_iter)
+        state, _ = checkpointer.restore(start, components.abstract_state(state), data_iter=train_iter)
         log.info("resumed from step %d", start)
     writer = MetricWriter(workdir, resume_step=start)
     progress = ProgressLogger(t.stop_step, start)
+    meta = {"config": config_lib.to_stored(config)}
 
     # ---- Compiled steps -----------------------------------------------------------------------
-    micro_step = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef))
+    micro_step = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=experiment))
     accumulate = jax.jit(step_lib.accumulate, donate_argnums=0)
-    apply_step = jax.jit(functools.partial(step_lib.apply_step, optimizer=optimizer), donate_argnums=(0, 1))
-    eval_sums = evaluation.make_eval_sums(graphdef)
+    apply_step = jax.jit(
+        functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=experiment),
+        donate_argnums=(0, 1, 2),
+    )
+    train_metrics = jax.jit(experiment.metrics)
+    eval_sums = evaluation.make_eval_sums(graphdef, experiment)
 
     # ---- Loop ---------------------------------------------------------------------------------
     last: dict[str, float] = {}
@@ -140,21 +132,17 @@ def train(config, workdir: str | os.PathLike) -> dict[str, float]:
             last = metrics
         progress.update(step, {"loss": metrics["train/loss"], "tau": metrics["train/tau_prob"]})
 
-    with PreemptionGuard() as guard:
+    with PreemptionGuard() as guard, sharding.activation_sharding(mesh, rules):
         for step in range(start + 1, t.stop_step + 1):
             began = time.perf_counter()
             batch = next(train_iter)
-            micro_batches = split_micro_batches(batch, t.grad_accum)
-            weight = step_lib.global_weight([mb["eval_mask"] for mb in micro_batches])
-            if jax.process_count() > 1:  # the denominator spans the global batch
-                weight = np.float32(multihost_utils.process_allgather(weight).sum())
             grads = sums = None
-            for micro_batch in micro_batches:
-                g, s = micro_step(state["params"], rest, side.frozen, to_global(micro_batch, mesh), weight)
+            for micro_batch in split_micro_batches(batch, t.grad_accum):
+                g, s = micro_step(state["params"], rest, side.frozen, to_global(micro_batch, mesh, rules))
                 grads, sums = (g, s) if grads is None else (accumulate(grads, g), accumulate(sums, s))
-            params, opt_state, grad_norm = apply_step(state["params"], state["opt_state"], grads)
+            params, opt_state, grad_norm = apply_step(state["params"], state["opt_state"], grads, sums)
             state = {"params": params, "opt_state": opt_state}
-            device_metrics = objective.metrics_from_sums(sums) | {
+            device_metrics = train_metrics(sums) | {
                 "grad_norm": grad_norm,
                 "learning_rate": schedule(step - 1),
             }
@@ -169,16 +157,21 @@ def train(config, workdir: str | os.PathLike) -> dict[str, float]:
             }
             pending = (step, device_metrics, host)
 
-            if step % t.checkpoint_every == 0 or step == t.stop_step or guard.should_stop(step):
-                finish(pending)  # never checkpoint a non-finite state
-                pending = None
-                checkpointer.save(step, state, data_iter=train_iter, meta={"step": step}, force=True)
+            # Evaluate before saving: a kill after the save never loses this step's eval line.
             if (t.eval_every and step % t.eval_every == 0) or step == t.stop_step:
                 if pending is not None:
                     finish(pending)
                     pending = None
                 metrics = evaluation.evaluate(
-                    eval_sums, state["params"], rest, side.frozen, val_batches(), mesh, t.eval_batches
+                    eval_sums,
+                    experiment,
+                    state["params"],
+                    rest,
+                    side.frozen,
+                    val_batches(),
+                    mesh,
+                    t.eval_batches,
+                    rules,
                 )
                 writer.write(step, {f"eval/{k}": v for k, v in metrics.items()})
                 last = last | {f"eval/{k}": v for k, v in metrics.items()}
@@ -188,7 +181,14 @@ def train(config, workdir: str | os.PathLike) -> dict[str, float]:
                     metrics["tau_prob"],
                     metrics["accept_rate@0"],
                 )
-            if guard.requested:
+            # Every process reaches the preemption sync point on every step.
+            stop = guard.should_stop(step)
+            if step % t.checkpoint_every == 0 or step == t.stop_step or stop:
+                if pending is not None:
+                    finish(pending)  # never checkpoint a non-finite state
+                    pending = None
+                checkpointer.save(step, state, data_iter=train_iter, meta={"step": step, **meta}, force=True)
+            if stop:
                 log.warning("preemption requested: saved step %d, exiting", step)
                 break
     checkpointer.wait()

@@ -1,5 +1,7 @@
 """Building a cache from conversations with a real (tiny random) target, read back through the reader."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,10 +10,20 @@ import pytest
 
 from configs import base
 from dspark_jax.cache import CacheDataSource, verify
-from dspark_jax.cache.build import build_cache, cache_spec, tokenize_all
+from dspark_jax.cache.build import (
+    DROP_REASONS,
+    TokenizedSamples,
+    build_cache,
+    cache_spec,
+    count_dropped,
+    cut_turns,
+    prepare_split,
+    tokenize_all,
+)
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import tokenize_conversation
 from dspark_jax.target.generate import prompt_bucket
+from tests.data.fake_gcs import fake_gcs
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"}],
@@ -53,6 +65,7 @@ def test_build_then_read_equals_direct_forward(target, tmp_path, mesh1):
     batch shape on XLA CPU), which `tests/cache/test_features.py` bounds."""
     samples = tokenize_all(target, CONVERSATIONS, max_length=96)
     assert (samples.skipped, samples.truncated, len(samples.input_ids)) == (1, 1, 3)
+    assert samples.dropped == {"no_assistant_reply": 1}
     spec = cache_spec(target, (-1, 1, 3), num_shards=2)
     manifest = build_cache(
         str(tmp_path / "c"),
@@ -77,3 +90,100 @@ def test_build_then_read_equals_direct_forward(target, tmp_path, mesh1):
         for got, want in ((record["aux_hidden"], aux), (record["last_hidden"], last)):
             assert got.dtype == ml_dtypes.bfloat16
             np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+THREE_TURNS = [user("Q1"), assistant("A1"), user("Q2"), assistant("A2"), user("Q3")]
+
+
+def test_cut_turns_keeps_regen_max_turns_user_turns():
+    (one,) = cut_turns([THREE_TURNS], 1)
+    assert one == [user("Q1"), assistant("A1")]
+    assert cut_turns([THREE_TURNS], 2) == [THREE_TURNS[:4]]
+    assert cut_turns([THREE_TURNS], 64) == [THREE_TURNS]
+    for bad in (0, -1, 1.5, None):
+        with pytest.raises(ValueError, match=r"^data\.regen_max_turns must be an integer >= 1"):
+            cut_turns([THREE_TURNS], bad)
+
+
+def test_bad_regen_max_turns_fails_before_reading_the_source():
+    config = base.get_config("smoke")
+    config.data.regen_max_turns = 0
+    config.data.train_source = "/nonexistent/conversations.jsonl"
+    with pytest.raises(ValueError, match=r"data\.regen_max_turns"):
+        prepare_split(config, "train", target=None, mesh=None)
+
+
+def test_count_dropped_names_every_reason():
+    records = [
+        {"index": 0, "messages": [user("a"), assistant("b")]},
+        {"index": 1, "skipped": "turn 0: prompt of 300 tokens > max_prompt_tokens 128"},
+        {"index": 2, "skipped": "no user turn"},
+        {"index": 3, "messages": [user("c")]},
+        {"index": 4, "messages": [user("d"), assistant("e")], "truncated": "turn 1: ..."},
+        {"index": 5, "skipped": "turn 0: prompt of 999 tokens > max_prompt_tokens 128"},
+    ]
+    samples = TokenizedSamples(
+        [np.zeros(3, np.int32)],
+        [np.ones(3, np.uint8)],
+        2,
+        0,
+        {
+            "no_assistant_reply": 1,
+            "fewer_than_2_response_tokens": 1,
+        },
+    )
+    dropped = count_dropped(records, samples)
+    assert list(dropped) == list(DROP_REASONS)
+    assert dropped == {
+        "prompt_too_long": 2,
+        "no_user_turn": 1,
+        "no_assistant_reply": 1,
+        "not_tokenizable": 0,
+        "fewer_than_2_response_tokens": 1,
+    }
+    assert len(records) == len(samples.input_ids) + sum(dropped.values())
+
+
+def test_prepare_split_cuts_turns_counts_drops_and_keeps_gs_paths(target, mesh1, tmp_path, monkeypatch):
+    """Real regeneration (smoke target), no cache built (dry run); the cache dir is a fake gs:// bucket."""
+    source = tmp_path / "conversations.jsonl"
+    records = [
+        {"messages": THREE_TURNS},
+        {"messages": [user("word " * 200)]},  # longer than data.regen_max_prompt_tokens
+        {"messages": []},  # rejected by the source loader
+        {"messages": [user("Hi"), assistant("Hello")]},
+    ]
+    source.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    config = base.get_config("smoke")
+    config.data.cache_dir = "gs://bucket/dspark"
+    config.data.train_source = str(source)
+    config.data.train_limit = 0
+    config.data.regen_max_turns = 1
+    monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "local"))
+    with fake_gcs(tmp_path / "gcs"):
+        report = prepare_split(config, "train", target, mesh1, dry_run=True)
+    root = f"gs://bucket/dspark/{target.fingerprint[:12]}"
+    assert (report["cache"], report["replies"]) == (f"{root}/train_cache", f"{root}/train_replies.jsonl")
+    replies = tmp_path / "gcs" / "bucket" / "dspark" / target.fingerprint[:12] / "train_replies.jsonl"
+    lines = [json.loads(line) for line in replies.read_text(encoding="utf-8").splitlines()]
+    assert [m["role"] for m in lines[0]["messages"]] == ["user", "assistant"]  # cut to one user turn
+    assert lines[0]["messages"][0] == user("Q1")
+    assert "skipped" in lines[1]
+    assert (report["conversations"], report["source_skipped"], report["cut_to_max_turns"]) == (
+        3,
+        {"no messages": 1},
+        1,
+    )
+    assert list(report["dropped"]) == list(DROP_REASONS)
+    assert report["dropped"]["prompt_too_long"] == 1
+    assert report["dropped_total"] == sum(report["dropped"].values())
+    assert report["conversations"] == report["samples"] + report["dropped_total"]
+    assert not (tmp_path / "gs:").exists() and not any((tmp_path / "local").rglob("gs:"))

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_cache import SPEC, build, chunk_files, make_samples
+from test_cache import SPEC, assert_same_sample, build, chunk_files, make_samples
+from test_deepspec import LAYERS, TARGET, H, write_reference_cache
 
 from dspark_jax import cache, inspect_cache
 
@@ -60,12 +61,53 @@ def test_native(tmp_path, capsys):
 
 def test_deepspec(tmp_path, capsys):
     samples = make_samples(4, seed=1)
-    cache.write_deepspec_cache(str(tmp_path / "d"), samples, 16, (2, 5, 7), samples_per_shard=2)
+    cache.write_deepspec_cache(
+        str(tmp_path / "d"), samples, 16, (2, 5, 7), samples_per_shard=2, target_model_name_or_path="tgt"
+    )
     rc, out, _ = run(capsys, tmp_path / "d", "--verify", "--dump_sample=2", f"--output={tmp_path / 'd.npz'}")
     s = summary(out)
     assert rc == 0 and s["format"] == "deepspec" and s["num_samples"] == 4 and s["hidden_size"] == 16
-    assert s["num_tokens"] == sum(len(x["input_ids"]) for x in samples) and "verify: OK" in out
+    assert s["aux_layer_ids"] == [2, 5, 7] and s["target"] == "tgt" and s["num_shards"] == 2
+    assert s["num_tokens"] == sum(len(x["input_ids"]) for x in samples) and "verify: OK (4 samples)" in out
     check_dump(tmp_path / "d.npz", samples[2])
+
+
+def test_deepspec_reference_layout(tmp_path, capsys):
+    """A cache laid out by hand exactly as DeepSpec's writer lays it out (with provenance keys)."""
+    path = tmp_path / "ref"
+    samples = make_samples(6, seed=5)
+    write_reference_cache(path, samples, [1, 3, 2])
+    rc, out, err = run(capsys, path, "--verify")
+    s = summary(out)
+    assert rc == 0 and err == "" and "verify: OK (6 samples)" in out
+    assert s["format"] == "deepspec" and s["num_samples"] == 6 and s["num_shards"] == 3
+    assert s["aux_layer_ids"] == LAYERS and s["num_aux_layers"] == 3 and s["hidden_size"] == H
+    assert s["target"] == TARGET and s["num_tokens"] == sum(len(x["input_ids"]) for x in samples)
+    for i in (0, 3, 5):
+        rc, out, _ = run(capsys, path, f"--dump_sample={i}", f"--output={tmp_path / f'{i}.npz'}")
+        assert rc == 0 and f"wrote sample {i}" in out
+        check_dump(tmp_path / f"{i}.npz", samples[i])
+    ds = cache.open_cache(str(path))
+    for i, x in enumerate(samples):
+        assert_same_sample(ds[i], x)
+
+
+def test_deepspec_verify_reports_all(tmp_path, capsys):
+    path = tmp_path / "ref"
+    samples = make_samples(6, seed=5)
+    write_reference_cache(path, samples, [1, 3, 2])
+    for name in ("shard-00000.bin", "shard-00002.bin"):  # the last samples of shards 0 and 2: 0 and 5
+        f = path / name
+        f.write_bytes(f.read_bytes()[:-3])
+    rc, _, err = run(capsys, path, "--verify", "--dump_sample=1", f"--output={tmp_path / 'x.npz'}")
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 3 and not (tmp_path / "x.npz").exists()
+    assert "sample 0: target_last_hidden_states" in lines[0] and "'shard-00000.bin'" in lines[0]
+    assert "sample 5: target_last_hidden_states" in lines[1] and "'shard-00002.bin'" in lines[1]
+    assert lines[2] == "verify: FAILED (2 of 6 samples corrupt)"
+    (path / "shard-00001.bin").unlink()
+    rc, _, err = run(capsys, path, "--verify")
+    assert rc == 1 and "'shard-00001.bin'" in err and "missing" in err
 
 
 def test_missing(tmp_path, capsys):

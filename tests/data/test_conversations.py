@@ -10,6 +10,7 @@ from dspark_jax.data import conversations as conv
 from dspark_jax.data.conversations import (
     GSM8K_VAL256,
     InvalidConversation,
+    first_turns,
     load_conversations,
     normalize_conversation,
     read_turns_jsonl,
@@ -57,6 +58,21 @@ def test_normalize_maps_roles_and_drops_leading_assistant():
     assert system_prompt(with_system) == "S"
     assert user_turns(with_system) == ["Q"]
     assert system_prompt(normalize_conversation(messages)) is None
+
+
+def test_first_turns_keeps_the_first_user_turns_and_their_replies():
+    conversation = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2"},
+        {"role": "user", "content": "Q3"},
+    ]
+    assert first_turns(conversation, 1) == conversation[:3]
+    assert first_turns(conversation, 2) == conversation[:5]
+    assert first_turns(conversation, 3) == first_turns(conversation, 64) == conversation
+    assert user_turns(first_turns(conversation, 1)) == ["Q1"]
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """The grain input pipeline: order, sharding, padding, anchors, resume exactness, global arrays."""
 
+import grain.checkpoint
 import jax
 import ml_dtypes
 import numpy as np
@@ -7,12 +8,13 @@ import orbax.checkpoint as ocp
 import pytest
 
 from dspark_jax.data import anchors as anchors_lib
+from dspark_jax.data import batch as batch_lib
 from dspark_jax.data import pipeline as P
 
 A_AUX, H = 2, 4
 
 
-def _record(i: int, length: int, prompt: int = 2, engram: bool = False) -> dict[str, np.ndarray]:
+def _record(i: int, length: int, prompt: int = 2) -> dict[str, np.ndarray]:
     """Record `i`: ids `1000 * i + t`, response from `prompt` on, hidden states encode (i, t)."""
     t = np.arange(length)
     rec = {
@@ -23,14 +25,12 @@ def _record(i: int, length: int, prompt: int = 2, engram: bool = False) -> dict[
         ),
         "last_hidden": np.broadcast_to((-i - t / 64)[:, None], (length, H)).astype(ml_dtypes.bfloat16),
     }
-    if engram:
-        rec["engram"] = np.full((length, 3), i, ml_dtypes.bfloat16)
     return rec
 
 
-def _source(n: int, seed: int = 0, engram: bool = False) -> list[dict[str, np.ndarray]]:
+def _source(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return [_record(i, int(rng.integers(3, 24)), engram=engram) for i in range(n)]
+    return [_record(i, int(rng.integers(3, 24))) for i in range(n)]
 
 
 def _config(**overrides) -> P.PipelineConfig:
@@ -60,21 +60,11 @@ def test_batch_layout_padding_and_truncation_count():
     config = _config(batch_size=4, num_epochs=1)
     it = P.make_iterator(source, config, process_index=0, process_count=1)
     (batch,) = list(it)
-    assert sorted(batch) == sorted(
-        [
-            "input_ids",
-            "loss_mask",
-            "aux_hidden",
-            "last_hidden",
-            "anchors",
-            "block_keep",
-            "seq_len",
-            "labels",
-            "predecessors",
-            "eval_mask",
-        ]
-    )
+    assert sorted(batch) == sorted(f.name for f in batch_lib.FIELDS)
     shapes = {k: (v.shape, v.dtype) for k, v in batch.items()}
+    assert shapes == {
+        f.name: (s, f.dtype) for f, s in zip(batch_lib.FIELDS, batch_lib.shapes(4, 16, A_AUX, H, 5).values())
+    }
     assert shapes["input_ids"] == ((4, 16), np.int32)
     assert shapes["loss_mask"] == ((4, 16), np.uint8)
     assert shapes["aux_hidden"] == ((4, 16, A_AUX, H), ml_dtypes.bfloat16)
@@ -82,17 +72,6 @@ def test_batch_layout_padding_and_truncation_count():
     assert shapes["anchors"] == ((4, 5), np.int32)
     assert shapes["block_keep"] == ((4, 5), np.uint8)
     assert shapes["seq_len"] == ((4,), np.int32)
-    for name in ("labels", "predecessors"):
-        assert shapes[name] == ((4, 5, 7), np.int32)
-    np.testing.assert_array_equal(
-        batch["eval_mask"], anchors_lib.eval_mask(batch["loss_mask"], batch["anchors"], batch["block_keep"])
-    )
-    np.testing.assert_array_equal(
-        batch["labels"], anchors_lib.block_labels(batch["input_ids"], batch["anchors"])
-    )
-    np.testing.assert_array_equal(
-        batch["predecessors"], anchors_lib.markov_predecessors(batch["input_ids"], batch["anchors"])
-    )
     assert it.truncated_count == 1 and it.sample_count == 4  # only the 20-token record
     for row, i in enumerate(_record_ids(batch)):
         rec = source[i]
@@ -115,16 +94,6 @@ def test_batch_layout_padding_and_truncation_count():
         assert np.all(batch["anchors"][row][~keep] == anchors_lib.ANCHOR_PAD)
 
 
-def test_engram_field_is_padded_when_present():
-    source = _source(4, engram=True)
-    (batch,) = list(P.make_iterator(source, _config(num_epochs=1), process_index=0, process_count=1))
-    assert batch["engram"].shape == (4, 16, 3) and batch["engram"].dtype == ml_dtypes.bfloat16
-    for row, i in enumerate(_record_ids(batch)):
-        kept = batch["seq_len"][row]
-        assert np.all(batch["engram"][row, :kept].astype(np.float32) == i)
-        assert np.all(batch["engram"][row, kept:].astype(np.float32) == 0)
-
-
 def test_epochs_are_permutations_with_different_orders():
     source = _source(12)
     it = P.make_iterator(source, _config(num_epochs=3), process_index=0, process_count=1)
@@ -140,7 +109,6 @@ def test_finite_epochs_drop_the_tail_that_does_not_fill_a_global_batch():
     source = _source(10)
     config = _config(num_epochs=1, batch_size=4)
     assert len(list(P.make_iterator(source, config, process_index=0, process_count=1))) == 2
-    assert P.global_batch_count(len(source), config) == 2
     for p in range(2):
         assert len(list(P.make_iterator(source, config, process_index=p, process_count=2))) == 2
 
@@ -200,7 +168,9 @@ def _resume_roundtrip(tmp_path, source, config, k: int, n: int):
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
         mngr.save(
             k,
-            args=ocp.args.Composite(data_iter=P.iterator_save_args(it), meta=ocp.args.JsonSave({"step": k})),
+            args=ocp.args.Composite(
+                data_iter=grain.checkpoint.CheckpointSave(it), meta=ocp.args.JsonSave({"step": k})
+            ),
         )
         mngr.wait_until_finished()
     expected = _take(it, n - k)
@@ -210,7 +180,9 @@ def _resume_roundtrip(tmp_path, source, config, k: int, n: int):
     _take(fresh, 1)  # a used iterator must be reset by the restore, not continue
     with ocp.CheckpointManager(tmp_path / "ckpt") as mngr:
         assert mngr.latest_step() == k
-        restored = mngr.restore(k, args=ocp.args.Composite(data_iter=P.iterator_restore_args(fresh)))
+        restored = mngr.restore(
+            k, args=ocp.args.Composite(data_iter=grain.checkpoint.CheckpointRestore(fresh))
+        )
     assert restored.data_iter is fresh
     assert fresh.truncated_count == truncated_at_k
     _assert_batches_equal(_take(fresh, n - k), expected)

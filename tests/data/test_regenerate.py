@@ -6,10 +6,21 @@ import pytest
 
 from configs.base import get_config
 from dspark_jax.data import regenerate as regen
-from dspark_jax.data.regenerate import RegenerationReport, regenerate, run_file
+from dspark_jax.data.regenerate import (
+    NO_USER_TURN,
+    PROMPT_TOO_LONG,
+    RegenerationReport,
+    local_path,
+    read_output,
+    regenerate,
+    remote_path,
+    run_file,
+    skip_reason,
+)
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import prompt_ids
 from dspark_jax.target.generate import Generator, SamplingParams
+from tests.data.fake_gcs import fake_gcs
 
 
 def user(text):
@@ -157,6 +168,7 @@ def test_prompts_over_the_limit_skip_or_truncate(target, mesh1, tmp_path):
     records = read(path)
     assert records[0] == {"index": 0, "skipped": records[0]["skipped"]}
     assert "max_prompt_tokens 40" in records[0]["skipped"]
+    assert skip_reason(records[0]) == PROMPT_TOO_LONG
     assert len(records[1]["messages"]) == 2 and records[1]["truncated"].startswith("turn 1:")
     assert len(records[2]["messages"]) == 2 and "truncated" not in records[2]
     assert (report.done, report.skipped, report.truncated) == (3, 1, 1)
@@ -167,3 +179,47 @@ def test_argument_checks(target, tmp_path):
         regenerate(target, CONVERSATIONS, tmp_path / "o.jsonl", max_new_tokens=8, chunk_size=0)
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         regenerate(target, CONVERSATIONS, tmp_path / "o.jsonl", max_new_tokens=8, max_prompt_tokens=10**6)
+
+
+def test_url_output_is_uploaded_and_resumed_from_the_upload(target, mesh1, reference, tmp_path):
+    url = "gs://bucket/replies/out.jsonl"
+    uploaded = tmp_path / "gcs" / "bucket" / "replies" / "out.jsonl"
+    with fake_gcs(tmp_path / "gcs"):
+        with pytest.raises(Killed):
+            regenerate(
+                target,
+                CONVERSATIONS,
+                url,
+                mesh=mesh1,
+                staging_dir=tmp_path / "machine1",
+                sync_seconds=0,
+                on_chunk=kill_after(1),
+                **SETTINGS,
+            )
+        assert [r["index"] for r in read(uploaded)] == [0, 1]
+        assert not (tmp_path / "gs:").exists() and not (tmp_path / "machine1" / "gs:").exists()
+        # Another machine (an empty staging directory) continues from the upload.
+        report = regenerate(
+            target, CONVERSATIONS, url, mesh=mesh1, staging_dir=tmp_path / "machine2", **SETTINGS
+        )
+        assert (report.done, report.resumed) == (3, 2)
+        assert uploaded.read_bytes() == reference[0]
+        assert run_file(uploaded).read_bytes() == run_file(reference[2]).read_bytes()
+        assert read_output(url) == read(reference[2])
+        # The first machine's copy is behind the upload: it starts from the upload too, with nothing to do.
+        finished = regenerate(
+            target, CONVERSATIONS, url, mesh=mesh1, staging_dir=tmp_path / "machine1", **SETTINGS
+        )
+        assert (finished.done, finished.resumed) == (0, 5)
+        assert uploaded.read_bytes() == reference[0]
+
+
+def test_local_and_remote_paths():
+    assert local_path("/tmp/x/out.jsonl") == local_path("file:///tmp/x/out.jsonl")
+    assert str(local_path("file:///tmp/a%20b/out.jsonl")) == "/tmp/a b/out.jsonl"
+    assert str(local_path("relative/out.jsonl")) == "relative/out.jsonl"
+    assert local_path("gs://bucket/out.jsonl") is None
+    assert str(remote_path("gs://bucket/x/out.jsonl")) == "gs://bucket/x/out.jsonl"
+    with pytest.raises(ValueError, match="unsupported URL scheme"):
+        remote_path("memory://x/out.jsonl")
+    assert skip_reason({"index": 0, "skipped": "no user turn"}) == NO_USER_TURN

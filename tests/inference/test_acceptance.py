@@ -8,12 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from dspark_jax.inference.acceptance import (
-    accept_greedy,
-    accept_sampling,
-    acceptance_stats,
-    sampling_probabilities,
-)
+from dspark_jax.inference.acceptance import accept_greedy, accept_sampling, sampling_probabilities
 from dspark_jax.target.generate import SamplingParams, sample
 
 V, K, N = 5, 3, 20_000
@@ -199,15 +194,3 @@ def test_shape_mismatch_is_rejected():
             jax.random.key(0),
             SamplingParams(1.0),
         )
-
-
-def test_acceptance_stats():
-    stats = jax.jit(acceptance_stats, static_argnames="k")(
-        jnp.array([0, 3, 1, 3, 2]), jnp.array([True, True, False, True, True]), k=3
-    )
-    np.testing.assert_array_equal(stats["accepted_length_B"], [1, 4, 0, 4, 3])
-    np.testing.assert_array_equal(stats["histogram_K1"], [1, 0, 1, 2])
-    assert int(stats["num_cycles"]) == 4
-    assert float(stats["mean_accepted_length"]) == pytest.approx(3.0)
-    empty = acceptance_stats(jnp.zeros((2,), jnp.int32), jnp.zeros((2,), bool), 3)
-    assert float(empty["mean_accepted_length"]) == 0.0

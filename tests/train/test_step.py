@@ -1,15 +1,14 @@
-"""The update step: the same batch gives the same loss and gradients on 1 device and on 8 sharded devices."""
+"""The update step: loss normalised on device, invariant to the device count and to micro-batching."""
 
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dspark_jax import sharding
-from dspark_jax.data import anchors as anchors_lib
+from dspark_jax import experiments, sharding
+from dspark_jax.data import batch as batch_lib
 from dspark_jax.data.pipeline import to_global
 from dspark_jax.draft import objective
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
@@ -27,27 +26,17 @@ CFG = DraftConfig(
     anchor_chunk=2,
 )
 B, T, N = 8, 24, 4
+BASELINE = experiments.get("baseline")
 
 
 def _batch():
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
-    mask = np.zeros((B, T), np.uint8)
-    mask[:, 6:] = 1
-    anchors, keep = zip(*(anchors_lib.sample_anchors(m, N, rng) for m in mask))
-    anchors, keep = np.stack(anchors), np.stack(keep)
-    return {
-        "input_ids": ids,
-        "aux_hidden": rng.normal(size=(B, T, 3, CFG.hidden_size)).astype(np.float32),
-        "last_hidden": rng.normal(size=(B, T, CFG.hidden_size)).astype(np.float32),
-        "anchors": anchors,
-        "labels": anchors_lib.block_labels(ids, anchors),
-        "predecessors": anchors_lib.markov_predecessors(ids, anchors),
-        "eval_mask": anchors_lib.eval_mask(mask, anchors, keep),
-    }
+    host = batch_lib.synthetic(B, T, CFG.num_aux, CFG.hidden_size, N, CFG.vocab_size, prompt_length=6)
+    # Shorter rows: some blocks run past the response end and some rows have padding blocks.
+    host["loss_mask"][::3, 12:] = 0
+    return batch_lib.device_fields(host)
 
 
-def _run(mesh, batch):
+def _setup(mesh):
     graphdef, params, rest = nnx.split(DSparkDraft(CFG, rngs=nnx.Rngs(0)), nnx.Param, ...)
     params = jax.device_put(params, sharding.state_shardings(params, mesh))
     rest = jax.device_put(rest, NamedSharding(mesh, PartitionSpec()))
@@ -56,36 +45,55 @@ def _run(mesh, batch):
         jax.random.normal(keys[0], (CFG.vocab_size, CFG.hidden_size)),
         jax.random.normal(keys[1], (CFG.hidden_size, CFG.vocab_size)),
     )
-    frozen = jax.device_put(frozen, NamedSharding(mesh, PartitionSpec()))
-    weight = step_lib.global_weight([batch["eval_mask"]])
-    step = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef))
-    grads, sums = step(params, rest, frozen, to_global(batch, mesh), weight)
+    return graphdef, params, rest, jax.device_put(frozen, NamedSharding(mesh, PartitionSpec()))
+
+
+def _grads_and_loss(mesh, micro_batches):
+    """Accumulated micro-steps, normalised once: `(grads, loss, sharded grads)`."""
+    graphdef, params, rest, frozen = _setup(mesh)
+    step = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=BASELINE))
+    grads = sums = None
+    for micro in micro_batches:
+        g, s = step(params, rest, frozen, to_global(micro, mesh))
+        grads, sums = (g, s) if grads is None else step_lib.accumulate((grads, sums), (g, s))
+    grads = jax.jit(functools.partial(step_lib.normalised_grads, experiment=BASELINE))(grads, sums)
     return jax.device_get(grads), float(objective.loss_from_sums(sums)), grads
 
 
-def test_one_device_equals_eight_sharded_devices(mesh1, mesh8):
-    batch = _batch()
-    grads1, loss1, _ = _run(mesh1, batch)
-    grads8, loss8, sharded = _run(mesh8, batch)
-    kernel = sharded["layers"][0]["mlp"]["gate"]["kernel"].get_value()
-    assert not kernel.sharding.is_fully_replicated  # fsdp/tensor sharded, batch over data x fsdp
-    np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
-    flat1, flat8 = nnx.to_flat_state(grads1), dict(nnx.to_flat_state(grads8))
-    for path, value in flat1:
+def _assert_grads_close(a, b, rtol):
+    flat_a, flat_b = nnx.to_flat_state(a), dict(nnx.to_flat_state(b))
+    for path, value in flat_a:
         np.testing.assert_allclose(
-            np.asarray(flat8[path].get_value()),
+            np.asarray(flat_b[path].get_value()),
             np.asarray(value.get_value()),
-            rtol=2e-4,
+            rtol=rtol,
             atol=2e-6,
             err_msg=str(path),
         )
 
 
-def test_global_weight_matches_objective_position_weights():
+def test_one_device_equals_eight_sharded_devices(mesh1, mesh8):
     batch = _batch()
-    halves = [batch["eval_mask"][:4], batch["eval_mask"][4:]]
-    np.testing.assert_allclose(
-        step_lib.global_weight(halves),
-        float(jnp.sum(objective.position_weights(jnp.asarray(batch["eval_mask"])))),
-        rtol=1e-6,
-    )
+    grads1, loss1, _ = _grads_and_loss(mesh1, [batch])
+    grads8, loss8, sharded = _grads_and_loss(mesh8, [batch])
+    kernel = sharded["layers"][0]["mlp"]["gate"]["kernel"].get_value()
+    assert not kernel.sharding.is_fully_replicated  # fsdp/tensor sharded, batch over data x fsdp
+    np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+    _assert_grads_close(grads1, grads8, rtol=2e-4)
+
+
+def test_micro_batches_equal_the_whole_batch_and_the_gradient_of_the_normalised_loss(mesh1):
+    batch = _batch()
+    halves = [{k: v[i * 4 : (i + 1) * 4] for k, v in batch.items()} for i in range(2)]
+    quarters = [{k: v[i * 2 : (i + 1) * 2] for k, v in batch.items()} for i in range(4)]
+    whole, loss, _ = _grads_and_loss(mesh1, [batch])
+    for parts in (halves, quarters):
+        grads, parts_loss, _ = _grads_and_loss(mesh1, parts)
+        np.testing.assert_allclose(parts_loss, loss, rtol=1e-6)
+        _assert_grads_close(whole, grads, rtol=1e-4)
+    # Independent check: jax.grad of the globally normalised loss of the whole batch.
+    graphdef, params, rest, frozen = _setup(mesh1)
+    direct = jax.grad(
+        lambda p: objective.loss_from_sums(BASELINE.train_sums(nnx.merge(graphdef, p, rest), frozen, batch))
+    )(params)
+    _assert_grads_close(jax.device_get(direct), whole, rtol=1e-4)

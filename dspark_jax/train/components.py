@@ -1,4 +1,4 @@
-"""From a config to the pieces of a run: the frozen target side, caches, draft and pipeline.
+"""From a config to the pieces of a run: the frozen target side, caches, draft, optimizer and pipeline.
 
 Training never holds the whole target: the draft needs only the target's embedding and LM
 head (`FrozenTarget`) and the identity that the caches must match. The full target is
@@ -8,6 +8,7 @@ loaded only when a cache is missing and has to be built first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -19,11 +20,11 @@ from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from dspark_jax import sharding
-from dspark_jax.cache import CacheDataSource, read_manifest
+from dspark_jax import config_lib, experiments, sharding
+from dspark_jax.cache import CacheDataSource, DeepSpecDataSource, open_cache, read_manifest
 from dspark_jax.cache.build import cache_path, prepare_split
 from dspark_jax.data.pipeline import PipelineConfig
-from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
+from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.target import Target, TargetConfig, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
 from dspark_jax.target.tokenizer import Tokenizer
@@ -98,7 +99,10 @@ def _cache_complete(path: str) -> bool:
 
 
 def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]:
-    """The target side and the train/val cache paths, building missing caches first."""
+    """The target side and the train/val cache paths, building missing caches first.
+
+    `data.train_cache` / `data.val_cache` name existing caches to use as they are.
+    """
     if config.preset == "paper" and not config.target.path:
         raise ValueError(
             "config.target.path is required for the paper preset (the Qwen3.8-Flash-Next weights)"
@@ -109,58 +113,66 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
         side = side_from_target(target, mesh)
     else:
         side = side_from_checkpoint(config, mesh)
-    paths = {split: cache_path(config, side.fingerprint, split) for split in ("train", "val")}
+    given = {"train": config.data.train_cache, "val": config.data.val_cache}
+    paths = {split: given[split] or cache_path(config, side.fingerprint, split) for split in given}
     for split, path in paths.items():
-        if not _cache_complete(path):
+        if not given[split] and not _cache_complete(path):
             log.info("%s cache %s is missing or incomplete: building it", split, path)
             target = target or target_from_config(config.target, seed=config.seed, mesh=mesh)
             prepare_split(config, split, target, mesh)
     return side, paths
 
 
-def open_source(path: str, config, side: TargetSide) -> CacheDataSource:
-    """A cache as a grain source, validated against the config and the target."""
+def open_source(path: str, config, side: TargetSide) -> CacheDataSource | DeepSpecDataSource:
+    """A cache (either format) as a grain source, validated against the config and the target."""
     expect = {
         "aux_layer_ids": tuple(config.data.aux_layer_ids),
         "hidden_size": side.config.hidden_size,
         "tokenizer_fingerprint": side.tokenizer_fingerprint,
         "target_fingerprint": side.fingerprint,
     }
-    return CacheDataSource(path, expect=expect)
+    return open_cache(path, expect=expect)
 
 
-def draft_config(config, target: TargetConfig) -> DraftConfig:
-    d = config.draft
-    return DraftConfig(
-        hidden_size=target.hidden_size,
-        vocab_size=target.vocab_size,
-        num_aux=len(config.data.aux_layer_ids),
-        num_layers=d.num_layers,
-        num_heads=d.num_heads,
-        num_kv_heads=d.num_kv_heads,
-        head_dim=d.head_dim,
-        intermediate_size=d.intermediate_size,
-        rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta,
-        block_size=d.block_size,
-        markov_rank=d.markov_rank,
-        mask_token_id=None if d.mask_token_id < 0 else d.mask_token_id,
-        attention=d.attention,
-        anchor_chunk=d.anchor_chunk,
+def draft_config(config, target: TargetConfig):
+    """The draft config of `config`: its whole `draft` section plus what the target fixes."""
+    cls = experiments.get(config.experiment).config_class
+    return cls.from_config(config.draft, target, num_aux=len(config.data.aux_layer_ids))
+
+
+def abstract_draft(config, target: TargetConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """`(graphdef, params, rest)` of the config's draft as `ShapeDtypeStruct`s (nothing allocated)."""
+    build = experiments.get(config.experiment).build_draft
+    cfg = draft_config(config, target)
+    return nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(config.seed))), nnx.Param, ...)
+
+
+def _build_state(config, target: TargetConfig, mesh: Mesh, *, with_params: bool):
+    """`(params, rest)` (params None unless `with_params`) of a new draft, initialised under `jit` straight
+    into their shardings (no full host copy at paper shapes; unused parts are never computed)."""
+    build = experiments.get(config.experiment).build_draft
+    cfg = draft_config(config, target)
+    _, abstract_params, abstract_rest = abstract_draft(config, target)
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    param_shardings = sharding.state_shardings(abstract_params, mesh, sharding.rules_of(config))
+    out_shardings = (
+        param_shardings if with_params else None,
+        jax.tree.map(lambda _: replicated, abstract_rest),
     )
+
+    @functools.partial(jax.jit, out_shardings=out_shardings)
+    def init():
+        _, params, rest = nnx.split(build(cfg, rngs=nnx.Rngs(config.seed)), nnx.Param, ...)
+        return (params if with_params else None), rest
+
+    return init()
 
 
 def init_draft(config, target: TargetConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """`(graphdef, params, rest)` of a freshly initialised draft, params sharded on `mesh`."""
-    model = DSparkDraft(
-        draft_config(config, target),
-        rngs=nnx.Rngs(config.seed),
-        param_dtype=jnp.dtype(config.draft.param_dtype),
-        dtype=jnp.dtype(config.draft.dtype),
-    )
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = jax.device_put(params, sharding.state_shardings(params, mesh))
-    return graphdef, params, jax.device_put(rest, NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    graphdef = abstract_draft(config, target)[0]
+    params, rest = _build_state(config, target, mesh, with_params=True)
+    return graphdef, params, rest
 
 
 def pipeline_config(
@@ -172,17 +184,25 @@ def pipeline_config(
         batch_size=batch_size,
         seed=seed,
         pad_id=side.pad_id,
-        block_size=config.draft.block_size,
         num_epochs=num_epochs,
         worker_count=config.data.worker_count,
     )
 
 
-def make_training_optimizer(config) -> tuple[optax.Schedule, optax.GradientTransformation]:
+def make_training_optimizer(config, params=None) -> tuple[optax.Schedule, optax.GradientTransformation]:
+    """The schedule and AdamW of `config.train`; the experiment's frozen parameters (if any) of
+    `params` get no update."""
     t = config.train
+    trainable = experiments.get(config.experiment).trainable
     schedule = make_schedule(t.peak_lr, t.total_steps, t.warmup_fraction)
     return schedule, make_optimizer(
-        schedule, weight_decay=t.weight_decay, clip_norm=t.clip_norm, b1=t.b1, b2=t.b2, eps=t.eps
+        schedule,
+        weight_decay=t.weight_decay,
+        clip_norm=t.clip_norm,
+        b1=t.b1,
+        b2=t.b2,
+        eps=t.eps,
+        trainable_mask=None if trainable is None or params is None else trainable(params),
     )
 
 
@@ -204,15 +224,35 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[epath.Path, int | None]
     return path, None
 
 
-def restore_draft(config, target: TargetConfig, mesh: Mesh, checkpoint: str | os.PathLike):
-    """`(graphdef, params, rest, step)` of a trained draft restored from `checkpoint`."""
-    graphdef, params, rest = init_draft(config, target, mesh)
-    _, optimizer = make_training_optimizer(config)
+def run_config(checkpoint: str | os.PathLike, given=None):
+    """The config a run was trained with, read from its checkpoint metadata.
+
+    With `given` (a `--config`), that config is used instead, after checking that it agrees with
+    the stored one on every shape-bearing key.
+    """
     directory, step = resolve_checkpoint(checkpoint)
-    state = {"params": params, "opt_state": jax.jit(optimizer.init)(params)}
+    with Checkpointer(directory) as checkpointer:
+        stored = checkpointer.meta(step).get("config")
+    where = str(directory)
+    if stored is None and given is None:
+        raise ValueError(f"checkpoint {where} stores no config (an older run?): pass --config")
+    if stored is None:
+        return given
+    if given is None:
+        return config_lib.from_stored(stored)
+    config_lib.check_same_shape(given, stored, where)
+    return given
+
+
+def restore_draft(config, target: TargetConfig, mesh: Mesh, checkpoint: str | os.PathLike):
+    """`(graphdef, params, rest, step)` of a trained draft; reads only the parameters (no optimizer state)."""
+    graphdef, abstract_params, _ = abstract_draft(config, target)
+    abstract_params = sharding.with_shardings(abstract_params, mesh, sharding.rules_of(config))
+    _, rest = _build_state(config, target, mesh, with_params=False)
+    directory, step = resolve_checkpoint(checkpoint)
     with Checkpointer(directory) as checkpointer:
         step = checkpointer.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {directory}")
-        state, _ = checkpointer.restore(step, abstract_state(state))
-    return graphdef, state["params"], rest, step
+        params = checkpointer.restore_params(step, abstract_params)
+    return graphdef, params, rest, step

@@ -1,0 +1,128 @@
+"""Run configs beyond `configs/`: validation, the copy stored with every checkpoint, and comparing two.
+
+Every CLI validates its config before any expensive work (`validate`). Training stores the
+whole config in each checkpoint's metadata; `evaluate` and `speculate` given a work directory
+use that stored config (`stored_config`), and a `--config` that disagrees with it on a key that
+shapes the draft's parameters is refused naming the key (`check_same_shape`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from ml_collections import config_dict
+
+log = logging.getLogger(__name__)
+
+# Keys whose values fix the draft's parameter tree (names, shapes) or which target it reads.
+SHAPE_KEYS = (
+    "experiment",
+    "draft.num_layers",
+    "draft.num_heads",
+    "draft.num_kv_heads",
+    "draft.head_dim",
+    "draft.intermediate_size",
+    "draft.block_size",
+    "draft.markov_rank",
+    "draft.mask_token_id",
+    "data.aux_layer_ids",
+    "target.path",
+    "target.random_init",
+    "target.arch",
+)
+
+
+def validate(config) -> None:
+    """Fails early, naming the config key, on settings that cannot work together."""
+    from dspark_jax import experiments  # the registry imports the model stack
+
+    experiments.get(config.experiment)
+    t = config.train
+    if t.global_batch % t.grad_accum:
+        raise ValueError(
+            f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"
+        )
+    if not 0 < t.stop_step <= t.total_steps:
+        raise ValueError(f"train.stop_step={t.stop_step} must be in [1, train.total_steps={t.total_steps}]")
+    if len(config.data.aux_layer_ids) < 1:
+        raise ValueError("data.aux_layer_ids must name at least one target layer")
+    for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "anchor_chunk"):
+        if config.draft[key] < 1:
+            raise ValueError(f"draft.{key}={config.draft[key]} must be >= 1")
+    if config.draft.num_heads % config.draft.num_kv_heads:
+        raise ValueError(
+            f"draft.num_heads={config.draft.num_heads} is not a multiple of "
+            f"draft.num_kv_heads={config.draft.num_kv_heads}"
+        )
+    if config.draft.attention not in ("xla", "reference"):
+        raise ValueError(f"draft.attention={config.draft.attention!r} must be 'xla' or 'reference'")
+    if config.draft.block_size != 7:
+        log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
+
+
+def to_stored(config) -> dict[str, Any]:
+    """The config as plain JSON data, for checkpoint metadata."""
+    return _jsonable(config.to_dict())
+
+
+def from_stored(data: Mapping[str, Any]) -> config_dict.ConfigDict:
+    """A locked ConfigDict from stored JSON data (lists back to tuples, as the presets write them)."""
+    config = config_dict.ConfigDict(_tuples(dict(data)))
+    config.lock()
+    return config
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{'draft.num_heads': 8, ...}`; lists and tuples compare equal."""
+    out = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping | config_dict.ConfigDict):
+            out |= flatten(dict(value), f"{name}.")
+        else:
+            out[name] = _jsonable(value)
+    return out
+
+
+def differing_keys(a, b, keys: tuple[str, ...]) -> list[str]:
+    """The keys among `keys` (or below them) whose values differ between configs `a` and `b`."""
+    flat_a, flat_b = flatten(_as_dict(a)), flatten(_as_dict(b))
+    chosen = lambda name: any(name == k or name.startswith(f"{k}.") for k in keys)
+    names = sorted(n for n in set(flat_a) | set(flat_b) if chosen(n))
+    return [n for n in names if flat_a.get(n) != flat_b.get(n)]
+
+
+def check_same_shape(given, stored, where: str) -> None:
+    """Refuses a `given` config that disagrees with the `stored` one on a shape-bearing key."""
+    stored_random = _as_dict(stored).get("target", {}).get("random_init")
+    keys = SHAPE_KEYS if stored_random else tuple(k for k in SHAPE_KEYS if k != "target.arch")
+    diff = differing_keys(given, stored, keys)
+    if diff:
+        key = diff[0]
+        raise ValueError(
+            f"--config disagrees with the config stored in {where} on {key}: "
+            f"given {flatten(_as_dict(given)).get(key)!r}, stored {flatten(_as_dict(stored)).get(key)!r} "
+            f"(drop --config to use the stored one)"
+        )
+
+
+def _as_dict(config) -> dict[str, Any]:
+    return config.to_dict() if isinstance(config, config_dict.ConfigDict) else dict(config)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping | config_dict.ConfigDict):
+        return {k: _jsonable(v) for k, v in dict(value).items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _tuples(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value

@@ -1,0 +1,92 @@
+"""The training batch: one spec of field names, dtypes and shapes for the pipeline, the step and AOT checks.
+
+Shape letters (see the legend in `dspark_jax/__init__.py`): `B` rows, `T` = `data.max_length`,
+`A` aux layers, `H` target hidden size, `N` = `train.num_anchors`.
+
+The pipeline builds every field on the host; the step reads the `device` ones. Per-prediction
+arrays (labels, Markov predecessors, eval mask, teacher states) are derived on device from these
+fields by `dspark_jax.draft.blocks`, so a step that moves anchors (Draft Memory) uses the same math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from dspark_jax.data.anchors import sample_anchors
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str
+    dtype: np.dtype
+    dims: str  # one shape letter per axis
+    device: bool  # read by the train/eval step
+    doc: str
+
+
+FIELDS: tuple[Field, ...] = (
+    Field("input_ids", np.dtype(np.int32), "BT", True, "token ids, padded with the tokenizer's pad id"),
+    Field("loss_mask", np.dtype(np.uint8), "BT", True, "1 on response tokens, 0 on prompt and padding"),
+    Field("aux_hidden", np.dtype(ml_dtypes.bfloat16), "BTAH", True, "target aux layer outputs"),
+    Field("last_hidden", np.dtype(ml_dtypes.bfloat16), "BTH", True, "target post-norm final state S"),
+    Field("anchors", np.dtype(np.int32), "BN", True, "sorted anchors; padding = ANCHOR_PAD"),
+    Field("block_keep", np.dtype(np.uint8), "BN", True, "1 for a real anchor, 0 for padding"),
+    Field("seq_len", np.dtype(np.int32), "B", False, "tokens kept after truncation"),
+)
+DEVICE_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.device)
+TOKEN_FIELDS: dict[str, np.dtype] = {f.name: f.dtype for f in FIELDS if f.dims.startswith("BT")}
+
+
+def shapes(rows: int, max_length: int, num_aux: int, hidden_size: int, num_anchors: int) -> dict[str, tuple]:
+    """Shape of every field for the given sizes."""
+    sizes = {"B": rows, "T": max_length, "A": num_aux, "H": hidden_size, "N": num_anchors}
+    return {f.name: tuple(sizes[d] for d in f.dims) for f in FIELDS}
+
+
+def abstract_device_batch(
+    rows: int, max_length: int, num_aux: int, hidden_size: int, num_anchors: int
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """`ShapeDtypeStruct`s of the device fields, for ahead-of-time compilation."""
+    all_shapes = shapes(rows, max_length, num_aux, hidden_size, num_anchors)
+    return {f.name: jax.ShapeDtypeStruct(all_shapes[f.name], f.dtype) for f in FIELDS if f.device}
+
+
+def device_fields(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The fields of `batch` that the step reads."""
+    return {name: batch[name] for name in DEVICE_FIELDS}
+
+
+def synthetic(
+    rows: int,
+    max_length: int,
+    num_aux: int,
+    hidden_size: int,
+    num_anchors: int,
+    vocab_size: int,
+    *,
+    prompt_length: int | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """A batch of the spec with random tokens and states, the response from `prompt_length` on
+    (default: a quarter of the sequence), anchors drawn as the pipeline draws them. For benchmarks
+    and tests: the work of a step does not depend on the values."""
+    rng = np.random.default_rng(seed)
+    prompt = max_length // 4 if prompt_length is None else prompt_length
+    loss_mask = np.zeros((rows, max_length), np.uint8)
+    loss_mask[:, prompt:] = 1
+    anchors, keep = map(np.stack, zip(*(sample_anchors(m, num_anchors, rng) for m in loss_mask)))
+    bf16 = ml_dtypes.bfloat16
+    return {
+        "input_ids": rng.integers(0, vocab_size, (rows, max_length)).astype(np.int32),
+        "loss_mask": loss_mask,
+        "aux_hidden": rng.normal(size=(rows, max_length, num_aux, hidden_size)).astype(bf16),
+        "last_hidden": rng.normal(size=(rows, max_length, hidden_size)).astype(bf16),
+        "anchors": anchors,
+        "block_keep": keep,
+        "seq_len": np.full((rows,), max_length, np.int32),
+    }

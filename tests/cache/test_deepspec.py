@@ -72,7 +72,7 @@ def write_reference_cache(path: Path, samples, shard_sizes, layers=LAYERS, extra
         "token_dtype": "int32",
         "mask_dtype": "uint8",
         "index_record_size": 56,
-        "hidden_size": H,
+        "hidden_size": int(samples[0]["last_hidden"].shape[-1]),
         "shards": [{"shard_id": s, "file_name": f"shard-{s:05d}.bin"} for s in range(len(shard_sizes))],
         "target_model_name_or_path": TARGET,
         # provenance keys DeepSpec's prepare script adds; readers must ignore them

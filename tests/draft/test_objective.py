@@ -15,11 +15,13 @@ def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask
     B, N = labels.shape[:2]
     logits, conf_logit = np.float64(logits), np.float64(conf_logit)
     teacher_logits = np.float64(teacher_hidden) @ np.float64(lm_head)
-    s = dict.fromkeys(("ce", "l1", "bce", "weight", "tau", "blocks", "conf_abs_err", "conf_bias"), 0.0)
+    keys = ("ce", "l1", "bce", "weight", "tau", "blocks", "conf_abs_err", "conf_bias", "conf_cumprod_bias")
+    s = dict.fromkeys(keys, 0.0)
     accept, accept_count = np.zeros(K), np.zeros(K)
     for b in range(B):
         for n in range(N):
             prod, tau = 1.0, 1.0
+            conf_prefix, accept_prefix = 1.0, 1.0  # cumprod_i(sigmoid(s_i) m_i), cumprod_i(a_i m_i)
             for i in range(K):
                 p = np.exp(teacher_logits[b, n, i] - teacher_logits[b, n, i].max())
                 p /= p.sum()
@@ -29,16 +31,19 @@ def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask
                 m = float(eval_mask[b, n, i])
                 prod *= a * m
                 tau += prod
+                sig = 1.0 / (1.0 + np.exp(-conf_logit[b, n, i]))
+                conf_prefix *= sig * m
+                accept_prefix *= a * m
                 if m == 0:
                     continue
                 w = np.exp(-i / 4.0)
-                sig = 1.0 / (1.0 + np.exp(-conf_logit[b, n, i]))
                 s["ce"] += w * -np.log(q[labels[b, n, i]])
                 s["l1"] += w * np.abs(p - q).sum()
                 s["bce"] += w * -(a * np.log(sig) + (1 - a) * np.log(1 - sig))
                 s["weight"] += w
-                s["conf_abs_err"] += abs(sig - a)
-                s["conf_bias"] += sig - a
+                s["conf_abs_err"] += w * abs(sig - a)
+                s["conf_bias"] += w * (sig - a)
+                s["conf_cumprod_bias"] += w * (conf_prefix - accept_prefix)
                 accept[i] += a
                 accept_count[i] += 1
             if eval_mask[b, n, 0] == 1:
@@ -48,8 +53,14 @@ def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask
     metrics = {
         "loss": (0.1 * s["ce"] + 0.9 * s["l1"] + s["bce"]) / s["weight"] if s["weight"] else 0.0,
         "tau_prob": s["tau"] / s["blocks"] if s["blocks"] else 0.0,
-        "confidence_abs_error": s["conf_abs_err"] / preds if preds else 0.0,
-        "confidence_bias": s["conf_bias"] / preds if preds else 0.0,
+        **{
+            f"confidence_{metric}": s[key] / s["weight"] if s["weight"] else 0.0
+            for metric, key in (
+                ("abs_error", "conf_abs_err"),
+                ("bias", "conf_bias"),
+                ("cumprod_bias", "conf_cumprod_bias"),
+            )
+        },
         "valid_blocks": s["blocks"],
         "valid_predictions": preds,
         **{f"accept_rate@{i}": accept[i] / accept_count[i] if accept_count[i] else 0.0 for i in range(K)},
@@ -170,7 +181,7 @@ def _toy_problem(seed, B=2, N=5, H=16, V=40):
     return prob, _toy_params(seed, H, V)
 
 
-def _chunked_loss(params, h, prob, eval_mask, chunk, global_weight=None):
+def _chunked_loss(params, h, prob, eval_mask, chunk):
     inputs = {"h": h, "pred": prob["pred"], "mask": eval_mask}
     sums = objective.block_objective_sums(
         _toy_head(params, prob["lm_head"]),
@@ -181,9 +192,7 @@ def _chunked_loss(params, h, prob, eval_mask, chunk, global_weight=None):
         eval_mask,
         anchor_chunk=chunk,
     )
-    if global_weight is None:
-        return objective.loss_from_sums(sums), sums
-    return objective.weighted_loss(sums, global_weight), sums
+    return objective.loss_from_sums(sums), sums
 
 
 def test_gradients_match_dense_loss():
@@ -204,32 +213,46 @@ def test_gradients_match_dense_loss():
     np.testing.assert_allclose(sums["markov_sq"], np.sum(eval_mask[..., None] * m**2), rtol=1e-5)
 
 
-def test_micro_batches_with_global_weight_equal_whole_batch():
+def test_micro_batches_normalised_once_equal_whole_batch():
+    """Numerator gradients and sums of micro-batches, added and divided once, equal the whole batch's."""
     prob, params = _toy_problem(3, B=4)
     eval_mask = _mask_from_lengths([*LENGTHS, [1, 1, 7, 0, 0], [7, 7, 7, 7, 7]])
-    global_weight = objective.position_weights(jnp.asarray(eval_mask)).sum()
 
     @jax.jit
-    def loss_and_grads(params, batch, mask, global_weight):
-        loss = lambda pr: _chunked_loss(pr, batch["h"], batch, mask, chunk=3, global_weight=global_weight)
-        return jax.value_and_grad(loss, has_aux=True)(params)
+    def numerator_grads(params, batch, mask):
+        def numerator(pr):
+            _, sums = _chunked_loss(pr, batch["h"], batch, mask, chunk=3)
+            return objective.loss_numerators(sums)[0], sums
+
+        return jax.grad(numerator, has_aux=True)(params)
 
     def micro(part):
         batch = {k: v if k == "lm_head" else v[part] for k, v in prob.items()}
-        return loss_and_grads(params, batch, eval_mask[part], global_weight)
+        return numerator_grads(params, batch, eval_mask[part])
 
-    (whole_loss, whole_sums), whole_grads = micro(slice(0, 4))
-    np.testing.assert_allclose(whole_loss, objective.loss_from_sums(whole_sums), rtol=1e-6)
-    (loss_a, sums_a), grads_a = micro(slice(0, 2))
-    (loss_b, sums_b), grads_b = micro(slice(2, 4))
+    whole_grads, whole_sums = micro(slice(0, 4))
+    grads_a, sums_a = micro(slice(0, 2))
+    grads_b, sums_b = micro(slice(2, 4))
     combined = jax.tree.map(jnp.add, sums_a, sums_b)
-    np.testing.assert_allclose(objective.loss_from_sums(combined), whole_loss, rtol=1e-6)
-    np.testing.assert_allclose(loss_a + loss_b, whole_loss, rtol=1e-6)
+    np.testing.assert_allclose(
+        objective.loss_from_sums(combined), objective.loss_from_sums(whole_sums), rtol=1e-6
+    )
     combined_metrics = objective.metrics_from_sums(combined)
     for name, value in objective.metrics_from_sums(whole_sums).items():
         np.testing.assert_allclose(combined_metrics[name], value, rtol=1e-5, err_msg=name)
-    for a, b, want in zip(*map(jax.tree.leaves, (grads_a, grads_b, whole_grads))):
-        np.testing.assert_allclose(a + b, want, rtol=1e-4, atol=1e-7)
+    denominator = objective.loss_denominators(combined)[0]
+    direct = jax.grad(lambda pr: _chunked_loss(pr, prob["h"], prob, eval_mask, chunk=3)[0])(params)
+    for a, b, whole, want in zip(*map(jax.tree.leaves, (grads_a, grads_b, whole_grads, direct))):
+        np.testing.assert_allclose(a + b, whole, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose((a + b) / denominator, want, rtol=1e-4, atol=1e-7)
+
+
+def test_loss_groups_each_divide_by_their_own_denominator():
+    sums = {"x": jnp.float32(6.0), "y": jnp.float32(1.0), "dx": jnp.float32(3.0), "dy": jnp.float32(0.0)}
+    terms = {"dx": {"x": 0.5}, "dy": {"y": 2.0}}
+    np.testing.assert_allclose(objective.loss_numerators(sums, terms), [3.0, 2.0])
+    np.testing.assert_allclose(objective.loss_denominators(sums, terms), [3.0, 0.0])
+    np.testing.assert_allclose(objective.loss_from_sums(sums, terms), 1.0)  # empty group counts 0
 
 
 def test_bce_target_is_stop_gradient():

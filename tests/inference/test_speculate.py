@@ -84,14 +84,47 @@ def test_greedy_speculation_equals_target_greedy(parts, mesh1, batch_size):
     assert report["cycles"] > 0 and 1.0 <= report["mal_pooled"] <= 8.0
 
 
+def test_statistics_count_real_rows_only_whatever_the_concurrency(parts, mesh1):
+    """3 prompts at concurrency 1, 2, 3 and 8: padding rows never enter MAL, histogram or rates."""
+    prompts = PROMPTS[:3]
+    reports, outputs = [], []
+    for concurrency in (1, 2, 3, 8):
+        decoder = _decoder(parts, mesh1, concurrency)
+        outputs.append(decoder.generate(prompts, max_new_tokens=20))
+        report = decoder.report.as_dict()
+        reports.append({k: report[k] for k in STAT_KEYS})
+    assert all(o == outputs[0] for o in outputs)
+    for r in reports[1:]:
+        for k in STAT_KEYS:
+            if k == "confidence_by_position":  # float32 sums over rows: batch-shape rounding only
+                np.testing.assert_allclose(r[k], reports[0][k], rtol=1e-6)
+            else:
+                assert r[k] == reports[0][k], (k, r[k], reports[0][k])
+    hist = reports[0]["accepted_length_histogram"]
+    assert reports[0]["requests"] == 3 and sum(hist.values()) == reports[0]["cycles"]
+    assert reports[0]["generated_tokens"] == sum(len(o) for o in outputs[0])
+
+
+STAT_KEYS = (
+    "requests",
+    "generated_tokens",
+    "cycles",
+    "mal_pooled",
+    "mal_per_request",
+    "accepted_length_histogram",
+    "acceptance_by_position",
+    "confidence_by_position",
+)
+
+
 def _forced(tokens_BxK):
     """A proposer that returns fixed drafts (uniform draft logits; greedy acceptance ignores them)."""
 
-    def propose(draft, frozen, state, rng, params):
+    def select(draft, frozen, draft_out, state, rng, params):
         b, k = tokens_BxK.shape
-        return tokens_BxK, jnp.zeros((b, k, V)), jnp.zeros((b, k))
+        return engine.Proposals(tokens_BxK, jnp.zeros((b, k, V)), jnp.zeros((b, k)))
 
-    return propose
+    return engine.Proposer(lambda draft, frozen, state: (), select)
 
 
 def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
@@ -99,7 +132,14 @@ def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
     prompt = jnp.asarray([[5, 9, 11, 7, 0, 0, 0, 0]])
     settings = engine.SpecSettings(64, SamplingParams(), (EOS,), AUX)
     state = engine.prefill(
-        target, draft, prompt, jnp.asarray([4]), max_len=64, settings=settings, rng=jax.random.key(0)
+        target,
+        draft,
+        prompt,
+        jnp.asarray([4]),
+        jnp.asarray([True]),
+        max_len=64,
+        settings=settings,
+        rng=jax.random.key(0),
     )
     # The target's own greedy continuation, to force exactly 3 accepted drafts, then 0, then 7.
     greedy = Generator(target, eos_ids=[-1 % V], pad_id=0, batch_size=1, mesh=mesh1).generate(
@@ -112,7 +152,7 @@ def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
         drafts = greedy[done : done + 7]
         if accepted < 7:
             drafts[accepted] = (drafts[accepted] + 1) % V
-        state = engine.cycle(target, draft, frozen, state, settings, propose=_forced(jnp.asarray([drafts])))
+        state = engine.cycle(target, draft, frozen, state, settings, _forced(jnp.asarray([drafts])))
         count = int(state.count_B[0])
         emitted = [int(t) for t in state.out_BxO[0, :count]]
         assert count == done + accepted + 1 and emitted == greedy[:count]
@@ -179,12 +219,12 @@ def test_greedy_lossless_on_the_demo_target(mesh1, concurrency):
     from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
     from dspark_jax.target import load_target
     from dspark_jax.target.chat import prompt_ids
-    from dspark_jax.train import experiment
+    from dspark_jax.train import components
 
     config = baseline.get_config("demo")
     target = load_target(mesh=mesh1)
-    graphdef, params, rest = experiment.init_draft(config, target.config, mesh1)
-    side = experiment.side_from_target(target, mesh1)
+    graphdef, params, rest = components.init_draft(config, target.config, mesh1)
+    side = components.side_from_target(target, mesh1)
     questions = read_turns_jsonl(GSM8K_VAL256)[:8]
     prompts = [
         prompt_ids(target.tokenizer, target.chat_template, [{"role": "user", "content": q[0]}]).tolist()

@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.speculate` end to end on the smoke preset, with a draft trained for two steps."""
+"""`speculate` and `evaluate` end to end from a smoke work directory alone (its stored config)."""
 
 import json
 import subprocess
@@ -29,14 +29,11 @@ def test_speculate_cli_reports_mal_and_matches_target_greedy(tmp_path):
         sys.executable,
         "-m",
         "dspark_jax.speculate",
-        f"--config={ROOT}/configs/baseline.py:smoke",
         f"--checkpoint={tmp_path / 'work'}",
         f"--input={prompts}",
         f"--output={out}",
         "--max_new_tokens=8",
         "--concurrency=2",
-        f"--config.data.cache_dir={tmp_path / 'caches'}",
-        "--config.mesh.fsdp=1",
         "--offline",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -49,3 +46,13 @@ def test_speculate_cli_reports_mal_and_matches_target_greedy(tmp_path):
     assert result["target_only"]["tokens_per_second"] > 0 and result["speedup"] > 0
     assert 1.0 <= result["offline"]["tau_prob"] <= 8.0
     assert [len(r["reply_ids"]) for r in result["requests"]] == [1, 1, 1]
+
+    evaluate = [sys.executable, "-m", "dspark_jax.evaluate", f"--checkpoint={tmp_path / 'work'}"]
+    proc = subprocess.run(evaluate, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    offline = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert offline["step"] == 2 and offline["tau_prob"] == result["offline"]["tau_prob"]
+    # A --config that would build a different draft is refused, naming the key, before any work.
+    mismatch = [*evaluate, f"--config={ROOT}/configs/baseline.py:smoke", "--config.draft.markov_rank=16"]
+    proc = subprocess.run(mismatch, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "draft.markov_rank" in proc.stderr, proc.stderr[-2000:]

@@ -14,7 +14,7 @@ import pytest
 
 from configs import baseline
 from dspark_jax import sharding
-from dspark_jax.train import experiment
+from dspark_jax.train import components
 from dspark_jax.train.loop import NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,13 +128,13 @@ def test_config_errors_name_the_key(cache_dir, tmp_path):
 
 def test_aux_layers_mismatching_the_cache_fail_clearly(cache_dir):
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
-    side, paths = experiment.prepare_target_side(
+    side, paths = components.prepare_target_side(
         _config(cache_dir), mesh
     )  # builds the smoke caches if needed
     config = _config(cache_dir)
     config.data.aux_layer_ids = (0, 1, 2)
     with pytest.raises(ValueError, match="aux_layer_ids"):
-        experiment.open_source(paths["train"], config, side)
+        components.open_source(paths["train"], config, side)
 
 
 def test_metrics_are_finite_and_named(cache_dir, tmp_path):
@@ -162,3 +162,21 @@ def test_paper_micro_step_fits_one_80gb_accelerator():
         report["draft_parameters"] > 4e8
     )  # hidden 2560, FFN 9728, Markov rank 256 over a 151,936 vocabulary
     assert report["estimated_peak_bytes"] < 80e9
+
+
+def test_trains_on_a_cache_in_deepspec_layout(cache_dir, tmp_path):
+    """The smoke train cache rewritten by hand in DeepSpec's layout (`data.train_cache`) trains."""
+    from tests.cache.test_deepspec import write_reference_cache
+
+    config = _config(cache_dir, stop_step=2, total_steps=2, eval_every=2)
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+    side, paths = components.prepare_target_side(config, mesh)
+    native = components.open_source(paths["train"], config, side)
+    samples = [native[i] for i in range(len(native))]
+    deepspec_dir = tmp_path / "deepspec"
+    write_reference_cache(
+        deepspec_dir, samples, [len(samples) // 2, len(samples) - len(samples) // 2], (1, 2, 3)
+    )
+    config.data.train_cache = str(deepspec_dir)
+    last = train(config, tmp_path / "work")
+    assert math.isfinite(last["train/loss"]) and math.isfinite(last["eval/tau_prob"])

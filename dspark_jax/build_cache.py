@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 
 from dspark_jax import sharding
 from dspark_jax.cache.build import prepare_split
-from dspark_jax.cli import config_value, define_config_flag
+from dspark_jax.cli import config_value, define_config_flag, run
 from dspark_jax.target import target_from_config
 
 _CONFIG = define_config_flag()
@@ -46,4 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

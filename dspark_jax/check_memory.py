@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 
-from dspark_jax.cli import config_value, define_config_flag
+from dspark_jax.cli import config_value, define_config_flag, run
 from dspark_jax.train.aot import step_memory
 
 _CONFIG = define_config_flag()
@@ -22,4 +22,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

@@ -1,14 +1,19 @@
-"""Shared command-line plumbing: the `--config` flag of every entry point, validated before any work."""
+"""Shared command-line plumbing: the `--config` flag of every entry point, validated before any work,
+and `run`, which turns user errors into one `error:` line and an exit status."""
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 from dspark_jax import config_lib
+from dspark_jax.config_lib import UsageError
 from dspark_jax.target.generate import SamplingParams
 from dspark_jax.train.components import run_config
 
@@ -34,6 +39,13 @@ def config_value(flag):
     return config
 
 
+def check_flags(**checks: tuple[bool, str]) -> None:
+    """Raises `UsageError` for the first failed `name=(ok, requirement)`: `--name must <requirement>`."""
+    for name, (ok, requirement) in checks.items():
+        if not ok:
+            raise UsageError(f"--{name} {requirement}")
+
+
 def checkpoint_config(flag, checkpoint: str):
     """The config of the run in `checkpoint`: the stored one, or `--config` when given and consistent."""
     config = run_config(checkpoint, given=flag.value)
@@ -57,3 +69,66 @@ class SamplingFlags:
             top_p=pick(self._top_p, config.generate.top_p),
         )
         return params, pick(self._seed, config.seed)
+
+
+def config_overrides(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """The `--config=FILE[:preset]` value and the `--config.KEY` override keys of a command line."""
+    spec, keys = None, []
+    for arg in argv:
+        if arg.startswith("--config="):
+            spec = arg.split("=", 1)[1]
+        elif arg.startswith("--config."):
+            keys.append(arg[len("--config.") :].split("=", 1)[0])
+    return spec, keys
+
+
+def unknown_override(argv: Sequence[str], default: str | None) -> str | None:
+    """A message naming the first `--config.KEY` that the config file lacks, with the nearest keys."""
+    spec, keys = config_overrides(argv)
+    spec = spec or default
+    if spec is None:
+        return "--config.KEY overrides need --config=FILE[:preset]"
+    path, _, preset = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_config_for_check", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    config = module.get_config(preset) if preset else module.get_config()
+    known = config_lib.flatten(config.to_dict())
+    prefixes = {name.rsplit(".", i)[0] for name in known for i in range(name.count(".") + 1)}
+    for key in keys:
+        if key not in known and key not in prefixes:
+            near = difflib.get_close_matches(key, list(known), n=3)
+            hint = f"; nearest: {', '.join(near)}" if near else ""
+            return f"--config.{key}: {key} is not a key of {path}{hint}"
+    return None
+
+
+def run(main: Callable, *, config_default: str | None = DEFAULT_CONFIG) -> None:
+    """`absl.app.run(main)` where user errors print one `error:` line instead of a traceback.
+
+    Usage errors (`UsageError`, a `--config.KEY` the config lacks, a bad config value) exit 2; other
+    errors about inputs (`ValueError`, `FileNotFoundError`, ...) exit 1. `--verbose` re-raises them
+    with the traceback.
+    """
+    verbose = "--verbose" in sys.argv
+    argv = [a for a in sys.argv if a != "--verbose"]
+    try:
+        app.run(main, argv=argv)
+    except AttributeError:
+        message = unknown_override(argv[1:], config_default)
+        if verbose or message is None:
+            raise
+        _fail(message, 2)
+    except UsageError as e:
+        if verbose:
+            raise
+        _fail(str(e), 2)
+    except (ValueError, OSError, KeyError, IndexError) as e:
+        if verbose:
+            raise
+        _fail(str(e), 1)
+
+
+def _fail(message: str, status: int) -> None:
+    print(f"error: {message} (--verbose shows the traceback)", file=sys.stderr)
+    sys.exit(status)

@@ -8,13 +8,19 @@ shapes the draft's parameters is refused naming the key (`check_same_shape`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ml_collections import config_dict
 
 log = logging.getLogger(__name__)
+
+
+class UsageError(ValueError):
+    """A bad flag or config value, found before any expensive work (CLIs: one `error:` line, status 2)."""
+
 
 # Keys whose values fix the draft's parameter tree (names, shapes) or which target it reads.
 SHAPE_KEYS = (
@@ -33,31 +39,56 @@ SHAPE_KEYS = (
     "target.arch",
 )
 
+# Keys a resumed run may change: where it stops, how it logs and saves, how the same math is laid out.
+RESUMABLE_KEYS = (
+    "train.stop_step",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.max_to_keep",
+    "data.cache_dir",
+    "mesh",
+    "sharding",
+    "draft.attention",
+    "draft.anchor_chunk",
+    "target.name",
+)
+
 
 def validate(config) -> None:
     """Fails early, naming the config key, on settings that cannot work together."""
     from dspark_jax import experiments  # the registry imports the model stack
 
-    experiments.get(config.experiment)
+    try:
+        draft_class = experiments.get(config.experiment).config_class
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    settable = {f.name for f in dataclasses.fields(draft_class)} - set(draft_class.TARGET_FIELDS)
+    for key in config.draft:
+        if key not in settable:
+            raise UsageError(
+                f"draft.{key} is not a draft setting of {config.experiment!r}; known: {sorted(settable)}"
+            )
     t = config.train
     if t.global_batch % t.grad_accum:
-        raise ValueError(
+        raise UsageError(
             f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"
         )
     if not 0 < t.stop_step <= t.total_steps:
-        raise ValueError(f"train.stop_step={t.stop_step} must be in [1, train.total_steps={t.total_steps}]")
+        raise UsageError(f"train.stop_step={t.stop_step} must be in [1, train.total_steps={t.total_steps}]")
     if len(config.data.aux_layer_ids) < 1:
-        raise ValueError("data.aux_layer_ids must name at least one target layer")
+        raise UsageError("data.aux_layer_ids must name at least one target layer")
     for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "anchor_chunk"):
         if config.draft[key] < 1:
-            raise ValueError(f"draft.{key}={config.draft[key]} must be >= 1")
+            raise UsageError(f"draft.{key}={config.draft[key]} must be >= 1")
     if config.draft.num_heads % config.draft.num_kv_heads:
-        raise ValueError(
+        raise UsageError(
             f"draft.num_heads={config.draft.num_heads} is not a multiple of "
             f"draft.num_kv_heads={config.draft.num_kv_heads}"
         )
     if config.draft.attention not in ("xla", "reference"):
-        raise ValueError(f"draft.attention={config.draft.attention!r} must be 'xla' or 'reference'")
+        raise UsageError(f"draft.attention={config.draft.attention!r} must be 'xla' or 'reference'")
     if config.draft.block_size != 7:
         log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
 
@@ -101,11 +132,19 @@ def check_same_shape(given, stored, where: str) -> None:
     diff = differing_keys(given, stored, keys)
     if diff:
         key = diff[0]
-        raise ValueError(
+        raise UsageError(
             f"--config disagrees with the config stored in {where} on {key}: "
             f"given {flatten(_as_dict(given)).get(key)!r}, stored {flatten(_as_dict(stored)).get(key)!r} "
             f"(drop --config to use the stored one)"
         )
+
+
+def resume_conflicts(given, stored, allowed: Sequence[str] = ()) -> list[str]:
+    """Keys where a resumed run's `given` config differs from the `stored` one and may not."""
+    ok = (*RESUMABLE_KEYS, *allowed)
+    flat_given, flat_stored = flatten(_as_dict(given)), flatten(_as_dict(stored))
+    changed = sorted(n for n in set(flat_given) | set(flat_stored) if flat_given.get(n) != flat_stored.get(n))
+    return [n for n in changed if not any(n == k or n.startswith(f"{k}.") for k in ok)]
 
 
 def _as_dict(config) -> dict[str, Any]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 from etils import epath
 
-from dspark_jax.cli import checkpoint_config, define_config_flag
+from dspark_jax.cli import checkpoint_config, define_config_flag, run
 from dspark_jax.train.evaluation import evaluate_checkpoint
 
 _CONFIG = define_config_flag(default=None)
@@ -35,4 +35,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main, config_default=None)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dspark_jax import sharding
-from dspark_jax.cli import SamplingFlags, config_value, define_config_flag
+from dspark_jax.cli import SamplingFlags, check_flags, config_value, define_config_flag, run
 from dspark_jax.data.conversations import read_turns_jsonl
 from dspark_jax.target import target_from_config
 from dspark_jax.target.generate import Generator, generate_replies
@@ -34,6 +34,10 @@ def main(argv):
     gen = config.generate
     params, seed = _SAMPLING.resolve(config)
     max_new = gen.max_new_tokens if _MAX_NEW.value is None else _MAX_NEW.value
+    check_flags(
+        max_new_tokens=(max_new >= 1, f"must be >= 1, got {max_new}"),
+        input=(Path(_INPUT.value).exists(), f"{_INPUT.value} does not exist"),
+    )
     conversations = read_turns_jsonl(_INPUT.value)
     mesh = sharding.make_mesh(config.mesh.to_dict())
     target = target_from_config(config.target, seed=seed, mesh=mesh)
@@ -65,4 +69,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from dspark_jax import sharding
-from dspark_jax.cli import SamplingFlags, config_value, define_config_flag
+from dspark_jax.cli import SamplingFlags, check_flags, config_value, define_config_flag, run
 from dspark_jax.data.conversations import load_conversations
 from dspark_jax.data.regenerate import regenerate
 from dspark_jax.target import target_from_config
@@ -38,6 +38,11 @@ def main(argv):
     config = config_value(_CONFIG)
     gen = config.generate
     params, seed = _SAMPLING.resolve(config)
+    max_new = gen.max_new_tokens if _MAX_NEW.value is None else _MAX_NEW.value
+    check_flags(
+        max_new_tokens=(max_new >= 1, f"must be >= 1, got {max_new}"),
+        chunk_size=(_CHUNK.value >= 1, f"must be >= 1, got {_CHUNK.value}"),
+    )
     loaded = load_conversations(_INPUT.value, limit=_LIMIT.value)
     logging.info(
         "%s: %d conversations, %d skipped", _INPUT.value, len(loaded.conversations), loaded.num_skipped
@@ -48,7 +53,7 @@ def main(argv):
         target,
         loaded.conversations,
         _OUTPUT.value,
-        max_new_tokens=gen.max_new_tokens if _MAX_NEW.value is None else _MAX_NEW.value,
+        max_new_tokens=max_new,
         params=params,
         seed=seed,
         batch_size=gen.batch_size,
@@ -65,4 +70,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 from etils import epath
 
 from dspark_jax import experiments, sharding
-from dspark_jax.cli import SamplingFlags, checkpoint_config, define_config_flag
+from dspark_jax.cli import SamplingFlags, check_flags, checkpoint_config, define_config_flag, run
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.inference.timing import time_cycle_phases
@@ -44,6 +44,12 @@ _OFFLINE = flags.DEFINE_bool("offline", False, "Also report offline tau_prob on 
 
 def main(argv):
     del argv
+    check_flags(
+        max_new_tokens=(_MAX_NEW.value >= 1, f"must be >= 1, got {_MAX_NEW.value}"),
+        concurrency=(_CONCURRENCY.value >= 1, f"must be >= 1, got {_CONCURRENCY.value}"),
+        limit=(_LIMIT.value >= 0, f"must be >= 0 (0 = all), got {_LIMIT.value}"),
+        input=(epath.Path(_INPUT.value).exists(), f"{_INPUT.value} does not exist"),
+    )
     config = checkpoint_config(_CONFIG, _CHECKPOINT.value)
     sampling, seed = _SAMPLING.resolve(config)
     mesh = sharding.make_mesh(config.mesh.to_dict())
@@ -107,4 +113,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    run(main, config_default=None)

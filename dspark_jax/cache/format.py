@@ -191,10 +191,13 @@ def progress_key(shard: int) -> str:
 
 
 def array_spec(path: str, shard: int, name: str, spec: CacheSpec, length: int | None) -> dict[str, Any]:
-    """tensorstore zarr3 spec of one shard array; with ``length`` it creates it if missing."""
+    """tensorstore zarr3 spec of one shard array; with ``length`` it creates it if missing.
+
+    Opened for reading (no ``length``), a missing chunk is an error, never a block of fill values.
+    """
     kv = kvstore_spec(join(path, shard_dir(shard), name))
     if length is None:
-        return {"driver": "zarr3", "kvstore": kv, "open": True}
+        return {"driver": "zarr3", "kvstore": kv, "open": True, "fill_missing_data_reads": False}
     trailing = list(spec.token_shape(name)) if name != "offsets" else []
     chunk0 = spec.chunk_tokens if name != "offsets" else max(1, min(length, 1 << 16))
     return {
@@ -202,6 +205,8 @@ def array_spec(path: str, shard: int, name: str, spec: CacheSpec, length: int | 
         "kvstore": kv,
         "open": True,
         "create": True,
+        # Every written chunk is stored, all-zero ones too, so a missing chunk always means lost data.
+        "store_data_equal_to_fill_value": True,
         "metadata": {
             "shape": [length, *trailing],
             "data_type": _ZARR_DTYPES[DTYPES[name].name],

@@ -37,8 +37,8 @@ def committed_counts(path: str, manifest: dict[str, Any], allow_incomplete: bool
         return [(s["num_samples"], s["num_tokens"]) for s in manifest["shards"]]
     if not allow_incomplete:
         raise ValueError(
-            f"cache {path!r} is incomplete (not finalized); finish the build and call finalize(), "
-            "or pass allow_incomplete=True to read the committed samples only"
+            f"cache {path!r} is incomplete (not finalized): finish the build (rerun build_cache), or read "
+            "the committed samples only (inspect_cache --allow_incomplete)"
         )
     kv = fmt.open_kvstore(path)
     out = []
@@ -71,10 +71,21 @@ class CacheDataSource:
         if self._shard_starts[-1] == 0:
             raise ValueError(f"cache {path!r} has 0 samples; nothing to train on")
         self._arrays: dict[tuple[int, str], ts.TensorStore] | None = None
-        self._offsets = [
-            self._open(s, "offsets")[: n + 1].read().result() if n else np.zeros(1, np.int64)
-            for s, (n, _) in enumerate(counts)
-        ]
+        self._offsets = [self._read_offsets(s, n) for s, (n, _) in enumerate(counts)]
+
+    def _read_offsets(self, shard: int, n: int) -> np.ndarray:
+        if not n:
+            return np.zeros(1, np.int64)
+        try:
+            offsets = self._open(shard, "offsets")[: n + 1].read().result()
+        except ValueError as e:
+            raise CacheCorruptError(
+                f"cache {self.path!r}: shard {shard}: offsets of samples 0..{n - 1} (shard-local) cannot be "
+                f"read ({e}); run inspect_cache --verify and rebuild the cache"
+            ) from None
+        if offsets[0] != 0 or np.any(np.diff(offsets) <= 0):
+            raise CacheCorruptError(f"cache {self.path!r}: shard {shard}: offsets are not increasing from 0")
+        return offsets
 
     def _open(self, shard: int, name: str) -> ts.TensorStore:
         if self._arrays is None:
@@ -100,7 +111,18 @@ class CacheDataSource:
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         shard, t0, t1 = self.locate(int(index))
         futures = {n: self._open(shard, n)[t0:t1].read() for n in self.spec.array_names}
-        return {n: f.result() for n, f in futures.items()}
+        out, failed = {}, []
+        for name, future in futures.items():
+            try:
+                out[name] = future.result()
+            except ValueError as e:
+                failed.append(f"{name} ({e})")
+        if failed:
+            raise CacheCorruptError(
+                f"cache {self.path!r}: shard {shard}: sample {index} (tokens {t0}..{t1 - 1}) cannot be read: "
+                f"{'; '.join(failed)}; run inspect_cache --verify and rebuild the cache"
+            )
+        return out
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_arrays": None}
@@ -122,51 +144,63 @@ def _samples_of(offsets: np.ndarray, t0: int, t1: int) -> str:
 def verify(path: str, *, allow_incomplete: bool = False) -> int:
     """Recompute every checksum of the committed data; returns the number of samples verified.
 
-    Raises CacheCorruptError naming shard, array and (shard-local) sample range on a mismatch.
+    Raises CacheCorruptError listing every problem found (one line each, naming shard, array and
+    shard-local sample range).
     """
+    problems, samples = scan(path, allow_incomplete=allow_incomplete)
+    if problems:
+        raise CacheCorruptError(f"{len(problems)} problem(s) in cache {path!r}:\n" + "\n".join(problems))
+    return samples
+
+
+def scan(path: str, *, allow_incomplete: bool = False) -> tuple[list[str], int]:
+    """Every checksum and read problem of the committed data, and the number of samples checked."""
     manifest = fmt.read_manifest(path)
     spec = CacheSpec.from_json(manifest["spec"])
     counts = committed_counts(path, manifest, allow_incomplete)
     kv = fmt.open_kvstore(path)
+    problems: list[str] = []
     for s, (n, n_tok) in enumerate(counts):
-        progress = fmt.read_json(kv, fmt.progress_key(s)) if n else None
-        if n and progress is None:
-            raise CacheCorruptError(f"shard {s}: progress.json is missing")
-        if not n:
-            continue
-        sums = progress["checksums"]
-        if manifest["complete"]:
-            for name, want in manifest["shards"][s]["checksums"].items():
-                got = sums[name] if name == "offsets" else fmt.root_hash(sums[name])
-                if got != want:
-                    raise CacheCorruptError(
-                        f"shard {s}: {name} checksums in progress.json differ from manifest"
-                    )
+        if n:
+            problems += _scan_shard(path, kv, manifest, spec, s, n, n_tok)
+    return problems, sum(c[0] for c in counts)
 
-        stores: dict[str, ts.TensorStore] = {}
 
-        def read(name: str, a: int, b: int, what: str, shard: int = s, stores=stores) -> np.ndarray:
+def _scan_shard(path: str, kv, manifest, spec: CacheSpec, s: int, n: int, n_tok: int) -> list[str]:
+    """The problems of one shard's committed `n` samples / `n_tok` tokens."""
+    progress = fmt.read_json(kv, fmt.progress_key(s))
+    if progress is None:
+        return [f"shard {s}: progress.json is missing"]
+    sums = progress["checksums"]
+    problems = []
+    if manifest["complete"]:
+        for name, want in manifest["shards"][s]["checksums"].items():
+            got = sums[name] if name == "offsets" else fmt.root_hash(sums[name])
+            if got != want:
+                problems.append(f"shard {s}: {name} checksums in progress.json differ from manifest")
+
+    def read(name: str, a: int, b: int) -> np.ndarray:
+        store = ts.open(fmt.array_spec(path, s, name, spec, None), context=fmt.CONTEXT).result()
+        return store[a:b].read().result()
+
+    try:
+        offsets = read("offsets", 0, n + 1)
+    except ValueError as e:
+        return [*problems, f"shard {s}: cannot read offsets (samples 0..{n - 1}): {e}"]
+    if hashlib.sha256(offsets[1:].tobytes()).hexdigest() != sums["offsets"]:
+        return [*problems, f"shard {s}: offsets checksum mismatch (samples 0..{n - 1})"]
+    if offsets[0] != 0 or offsets[-1] != n_tok or np.any(np.diff(offsets) <= 0):
+        return [*problems, f"shard {s}: offsets are not increasing from 0 to {n_tok}"]
+    block = spec.chunk_tokens
+    for name in spec.array_names:
+        blocks, tail = sums[name]["blocks"], sums[name]["tail"]
+        for b in range(-(-n_tok // block)):
+            t0, t1 = b * block, min((b + 1) * block, n_tok)
+            what = f"tokens {t0}..{t1 - 1}, {_samples_of(offsets, t0, t1)}"
+            want = blocks[b] if b < len(blocks) else tail
             try:
-                if name not in stores:
-                    stores[name] = ts.open(
-                        fmt.array_spec(path, shard, name, spec, None), context=fmt.CONTEXT
-                    ).result()
-                return stores[name][a:b].read().result()
+                if fmt.sha256(read(name, t0, t1)) != want:
+                    problems.append(f"shard {s}: {name} checksum mismatch at {what}")
             except ValueError as e:
-                raise CacheCorruptError(f"shard {shard}: cannot read {name} {what}: {e}") from e
-
-        offsets = read("offsets", 0, n + 1, f"samples 0..{n - 1}")
-        if hashlib.sha256(offsets[1:].tobytes()).hexdigest() != sums["offsets"]:
-            raise CacheCorruptError(f"shard {s}: offsets checksum mismatch (samples 0..{n - 1})")
-        if offsets[0] != 0 or offsets[-1] != n_tok or np.any(np.diff(offsets) <= 0):
-            raise CacheCorruptError(f"shard {s}: offsets are not increasing from 0 to {n_tok}")
-        block = spec.chunk_tokens
-        for name in spec.array_names:
-            blocks, tail = sums[name]["blocks"], sums[name]["tail"]
-            for b in range(-(-n_tok // block)):
-                t0, t1 = b * block, min((b + 1) * block, n_tok)
-                what = f"tokens {t0}..{t1 - 1}, {_samples_of(offsets, t0, t1)}"
-                want = blocks[b] if b < len(blocks) else tail
-                if fmt.sha256(read(name, t0, t1, what)) != want:
-                    raise CacheCorruptError(f"shard {s}: {name} checksum mismatch at {what}")
-    return sum(c[0] for c in counts)
+                problems.append(f"shard {s}: cannot read {name} {what}: {e}")
+    return problems

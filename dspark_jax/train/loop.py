@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,6 +38,37 @@ class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite; the message names the step."""
 
 
+class Preempted(Exception):
+    """The run stopped on a preemption request after saving `step`; rerunning the command resumes it."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted at step {step}: checkpoint saved; rerun the same command to resume")
+        self.step = step
+
+
+def check_workdir(workdir: epath.Path, config, allow_changed: Sequence[str] = ()) -> None:
+    """Before any work: the work directory is usable, and a run already in it has the same settings."""
+    if workdir.exists() and not workdir.is_dir():
+        raise config_lib.UsageError(
+            f"--workdir {workdir} is a file; give a directory (new or a run to resume)"
+        )
+    if not (workdir / "checkpoints").is_dir():
+        return
+    with Checkpointer(workdir / "checkpoints") as checkpointer:
+        step = checkpointer.latest_step()
+        stored = checkpointer.meta(step).get("config") if step else None
+    if stored is None:
+        return
+    conflicts = config_lib.resume_conflicts(config, stored, allow_changed)
+    if conflicts:
+        given, saved = config_lib.flatten(config.to_dict()), config_lib.flatten(stored)
+        shown = ", ".join(f"{k} (run {saved.get(k)!r}, now {given.get(k)!r})" for k in conflicts[:4])
+        raise config_lib.UsageError(
+            f"{workdir} holds a run (step {step}) with other settings: {shown}; resume it with its own "
+            f"settings, use a new --workdir, or pass --allow_changed={','.join(conflicts)} to resume anyway"
+        )
+
+
 def split_micro_batches(batch: Mapping[str, np.ndarray], num: int) -> list[dict[str, np.ndarray]]:
     """The device fields of a per-process batch cut into `num` equal micro-batches."""
     rows = batch["input_ids"].shape[0]
@@ -54,11 +85,14 @@ def _scalars(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}/{k}": float(v) for k, v in jax.device_get(dict(metrics)).items()}
 
 
-def train(config, workdir: str | os.PathLike) -> dict[str, float]:
+def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ()) -> dict[str, float]:
     """Trains the draft described by `config` in `workdir` (a local path or gs://...); returns the last
-    logged metrics."""
+    logged metrics. Resuming a run whose stored config differs on a training key (not in
+    `config_lib.RESUMABLE_KEYS`) is refused unless the key is in `allow_changed`. Raises `Preempted`
+    after saving when a stop was requested."""
     config_lib.validate(config)
     workdir = epath.Path(workdir)
+    check_workdir(workdir, config, allow_changed)
     t = config.train
     experiment = experiments.get(config.experiment)
 
@@ -132,6 +166,8 @@ def train(config, workdir: str | os.PathLike) -> dict[str, float]:
             last = metrics
         progress.update(step, {"loss": metrics["train/loss"], "tau": metrics["train/tau_prob"]})
 
+    stop = False
+    log.info("step %d: compiling the train step (the first step takes longer)", start + 1)
     with PreemptionGuard() as guard, sharding.activation_sharding(mesh, rules):
         for step in range(start + 1, t.stop_step + 1):
             began = time.perf_counter()
@@ -156,6 +192,9 @@ def train(config, workdir: str | os.PathLike) -> dict[str, float]:
                 "train/anchors_per_sample": float(batch["block_keep"].sum(axis=1).mean()),
             }
             pending = (step, device_metrics, host)
+            if step == start + 1:
+                jax.block_until_ready(grad_norm)
+                log.info("step %d: compiled and ran in %.1f s", step, time.perf_counter() - began)
 
             # Evaluate before saving: a kill after the save never loses this step's eval line.
             if (t.eval_every and step % t.eval_every == 0) or step == t.stop_step:
@@ -189,9 +228,10 @@ def train(config, workdir: str | os.PathLike) -> dict[str, float]:
                     pending = None
                 checkpointer.save(step, state, data_iter=train_iter, meta={"step": step, **meta}, force=True)
             if stop:
-                log.warning("preemption requested: saved step %d, exiting", step)
                 break
     checkpointer.wait()
     checkpointer.close()
     writer.close()
+    if stop and step < t.stop_step:
+        raise Preempted(step)
     return last

@@ -197,9 +197,12 @@ def test_truncated_and_deleted_chunks_detected(tmp_path):
     f.write_bytes(f.read_bytes()[:10])
     with pytest.raises(cache.CacheCorruptError, match="shard 0: cannot read last_hidden"):
         cache.verify(str(tmp_path))
-    f.unlink()  # a missing chunk reads as zeros: only the checksum catches it
-    with pytest.raises(cache.CacheCorruptError, match="shard 0: last_hidden checksum mismatch"):
+    f.unlink()  # a missing chunk is a read error, never a block of zeros
+    with pytest.raises(cache.CacheCorruptError, match="shard 0: cannot read last_hidden .* is missing"):
         cache.verify(str(tmp_path))
+    with pytest.raises(cache.CacheCorruptError, match=r"shard 0: sample \d+ .* last_hidden .* is missing"):
+        source = cache.CacheDataSource(str(tmp_path))
+        [source[i] for i in range(len(source))]
 
 
 @pytest.mark.parametrize(

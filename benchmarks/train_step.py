@@ -90,14 +90,15 @@ def time_step(config_module, preset: str, steps: int) -> dict[str, float]:
     }
 
 
-def attention_comparison(b=1, n=128, s=7, t=1024, h=8, kv=2, d=64, repeats=3) -> dict[str, dict[str, float]]:
+def attention_comparison(b=1, n=128, s=7, t=1024, q=8, g=2, d=64, repeats=3) -> dict[str, dict[str, float]]:
+    """Block attention timing; sizes in the letters of the legend (`q` query heads, `g` KV heads)."""
     keys = jax.random.split(jax.random.key(0), 5)
     args = [
-        jax.random.normal(keys[0], (b, n, s, h, d)),
-        jax.random.normal(keys[1], (b, t, kv, d)),
-        jax.random.normal(keys[2], (b, t, kv, d)),
-        jax.random.normal(keys[3], (b, n, s, kv, d)),
-        jax.random.normal(keys[4], (b, n, s, kv, d)),
+        jax.random.normal(keys[0], (b, n, s, q, d)),
+        jax.random.normal(keys[1], (b, t, g, d)),
+        jax.random.normal(keys[2], (b, t, g, d)),
+        jax.random.normal(keys[3], (b, n, s, g, d)),
+        jax.random.normal(keys[4], (b, n, s, g, d)),
         jnp.sort(jax.random.randint(keys[0], (b, n), 0, t), 1),
     ]
     results = {}
@@ -137,7 +138,7 @@ def main():
         print(f"{preset:8s} {step_s:10.3f} {tok_s:12.0f} {smp_s:10.2f}")
     att = attention_comparison()
     x, ref = att["xla"], att["reference"]
-    print("block attention fwd+bwd, B=1 N=128 S=7 T=1024 H=8 KV=2 D=64:")
+    print("block attention fwd+bwd, B=1 N=128 S=7 T=1024 Q=8 G=2 D=64:")
     print(f"{'impl':10s} {'seconds':>10s} {'temp MB':>10s}")
     for impl, r in att.items():
         print(f"{impl:10s} {r['seconds']:10.4f} {r['temp_bytes'] / 1e6:10.1f}")

@@ -1,8 +1,9 @@
 """Building blocks shared by the target model and the draft: norms, RoPE, projections, MLP.
 
 Modules hold parameters only; every parameter carries logical axis names in its `axes`
-metadata (see `dspark_jax.sharding`). Shapes are spelled in names: `x_BxTxH` is a batch
-of `T` positions of width `H`; `N`/`K` are query/key-value heads, `D` the head width.
+metadata (see `dspark_jax.sharding`). Shapes are spelled in names with the letters of the legend
+in `dspark_jax/__init__.py`: `x_BxTxH` is a batch of `T` positions of width `H`; `Q`/`G` are
+query/KV heads, `E = Q/G` query heads per KV head, `D` the head dim.
 """
 
 from __future__ import annotations
@@ -38,15 +39,18 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.eps, self.scale.get_value())
 
 
-def apply_rope(x_BxTxNxD: jax.Array, positions_BxT: jax.Array, inv_freq_F: jax.Array) -> jax.Array:
-    """Rotary embedding in the Hugging Face (rotate-half) layout, computed in float32."""
+def apply_rope(x_BxTxQxD: jax.Array, positions_BxT: jax.Array, inv_freq_F: jax.Array) -> jax.Array:
+    """Rotary embedding in the Hugging Face (rotate-half) layout, computed in float32.
+
+    `x` holds queries or keys (then `G` heads in place of `Q`).
+    """
     angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_F.astype(jnp.float32)
     cos = jnp.cos(angles_BxTxF)[..., None, :]
     sin = jnp.sin(angles_BxTxF)[..., None, :]
-    x = x_BxTxNxD.astype(jnp.float32)
+    x = x_BxTxQxD.astype(jnp.float32)
     x1, x2 = jnp.split(x, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxTxNxD.dtype)
+    return out.astype(x_BxTxQxD.dtype)
 
 
 class Linear(nnx.Module):
@@ -112,35 +116,36 @@ class AttentionProjections(nnx.Module):
         self.k_norm = RMSNorm(head_dim, eps, param_dtype=param_dtype) if qk_norm else None
 
     def queries(self, x_BxTxH: jax.Array) -> jax.Array:
-        q_BxTxNxD = self.q(x_BxTxH)
-        return self.q_norm(q_BxTxNxD) if self.q_norm is not None else q_BxTxNxD
+        q_BxTxQxD = self.q(x_BxTxH)
+        return self.q_norm(q_BxTxQxD) if self.q_norm is not None else q_BxTxQxD
 
     def keys_values(self, x_BxTxH: jax.Array) -> tuple[jax.Array, jax.Array]:
-        k_BxTxKxD = self.k(x_BxTxH)
+        k_BxTxGxD = self.k(x_BxTxH)
         if self.k_norm is not None:
-            k_BxTxKxD = self.k_norm(k_BxTxKxD)
-        return k_BxTxKxD, self.v(x_BxTxH)
+            k_BxTxGxD = self.k_norm(k_BxTxGxD)
+        return k_BxTxGxD, self.v(x_BxTxH)
 
 
 def gqa_attention(
-    q_BxTxNxD: jax.Array, k_BxSxKxD: jax.Array, v_BxSxKxD: jax.Array, visible_BxTxS: jax.Array
+    q_BxTxQxD: jax.Array, k_BxTxGxD: jax.Array, v_BxTxGxD: jax.Array, visible_BxTxT: jax.Array
 ) -> jax.Array:
     """Dense grouped-query attention with a boolean visibility mask; softmax in float32.
 
-    A query with no visible key returns zeros instead of NaN.
+    Queries at `T` positions attend over keys/values at `T` positions (the two `T` may differ:
+    `visible_BxTxT` is `[B, queries, keys]`). A query with no visible key returns zeros instead of NaN.
     """
-    b, t, n, d = q_BxTxNxD.shape
-    k = k_BxSxKxD.shape[2]
-    q_BxTxKxGxD = q_BxTxNxD.reshape(b, t, k, n // k, d)
-    logits_BxKxGxTxS = jnp.einsum(
-        "btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32
+    b, t, heads, d = q_BxTxQxD.shape
+    kv_heads = k_BxTxGxD.shape[2]
+    q_BxTxGxExD = q_BxTxQxD.reshape(b, t, kv_heads, heads // kv_heads, d)
+    logits_BxGxExTxT = jnp.einsum(
+        "btged,bsgd->bgets", q_BxTxGxExD, k_BxTxGxD, preferred_element_type=jnp.float32
     ) * (d**-0.5)
-    mask = visible_BxTxS[:, None, None]
-    logits_BxKxGxTxS = jnp.where(mask, logits_BxKxGxTxS, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits_BxKxGxTxS, axis=-1)
-    probs = jnp.where(mask, probs, 0.0).astype(v_BxSxKxD.dtype)
-    out_BxTxKxGxD = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD)
-    return out_BxTxKxGxD.reshape(b, t, n, d)
+    mask = visible_BxTxT[:, None, None]
+    logits_BxGxExTxT = jnp.where(mask, logits_BxGxExTxT, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits_BxGxExTxT, axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BxTxGxD.dtype)
+    out_BxTxGxExD = jnp.einsum("bgets,bsgd->btged", probs, v_BxTxGxD)
+    return out_BxTxGxExD.reshape(b, t, heads, d)
 
 
 class SwiGLU(nnx.Module):

@@ -13,8 +13,9 @@ through tensorstore kvstores, never the local filesystem API)::
     shards/00000/engram           zarr3 bfloat16 [N_tok, D_e]   (only if engram_dim is set)
     shards/00000/offsets          zarr3 int64    [n + 1]  shard-local token offsets
 
-Shard ``s`` of ``S`` holds the contiguous global samples ``[s*N//S, (s+1)*N//S)``; the layout
-depends only on ``(N, S)``. Token arrays are chunked ``chunk_tokens`` along ``N_tok`` (whole
+Shard ``i`` of ``num_shards`` holds the contiguous global samples
+``[i*n_samples//num_shards, (i+1)*n_samples//num_shards)``; the layout depends only on
+``(n_samples, num_shards)``. Token arrays are chunked ``chunk_tokens`` along ``N_tok`` (whole
 along the other dims) with the zarr3 ``crc32c`` codec, so any flipped byte fails the read.
 
 Checksums: for every token array, the sha256 of each consecutive block of ``chunk_tokens``

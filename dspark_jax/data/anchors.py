@@ -1,8 +1,9 @@
 """Anchor sampling on the host (DESIGN.md section 2), in pure numpy.
 
-Notation: `T` sequence length, `N` anchors (blocks) per sample. An anchor is a position `a`
-with `loss_mask[a] = 1` and `loss_mask[a + 1] = 1`. What each block predicts (labels, Markov
-predecessors, eval mask) is derived from the anchors on device by `dspark_jax.draft.blocks`.
+Notation (the legend in `dspark_jax/__init__.py`): `T` sequence length, `N` anchors (blocks) per
+sample. An anchor is a position `a` with `loss_mask[a] = 1` and `loss_mask[a + 1] = 1`. What each
+block predicts (labels, Markov predecessors, eval mask) is derived from the anchors on device by
+`dspark_jax.draft.blocks`.
 
 Padding convention: a block that is not a real anchor has anchor value `ANCHOR_PAD = 0`
 and `block_keep = 0`. Position 0 can also be a real anchor, so `block_keep` (never the
@@ -17,7 +18,7 @@ ANCHOR_PAD = 0
 
 
 def valid_anchor_positions(loss_mask_T: np.ndarray) -> np.ndarray:
-    """All anchor positions of one sample, ascending: int32[K], `a` with `mask[a] = mask[a+1] = 1`."""
+    """All anchor positions of one sample, ascending: int32[count], `a` with `mask[a] = mask[a+1] = 1`."""
     mask_T = np.asarray(loss_mask_T).astype(bool)
     if mask_T.ndim != 1:
         raise ValueError(f"loss_mask must be 1-D [T], got shape {mask_T.shape}")
@@ -29,15 +30,20 @@ def sample_anchors(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Draws up to `num_anchors` anchors uniformly without replacement, sorted ascending.
 
-    Returns `(anchors_N int32[N], block_keep_N uint8[N])` with `N = num_anchors`: the first
-    `min(K, N)` entries are the sorted drawn anchors (`block_keep = 1`), the rest padding
-    (`ANCHOR_PAD`, `block_keep = 0`). With `K <= N` every valid anchor is taken.
+    Returns `(anchors_N int32[N], block_keep_N uint8[N])` with `N = num_anchors`: of the `count`
+    valid anchor positions, the first `min(count, N)` entries are the sorted drawn anchors
+    (`block_keep = 1`), the rest padding (`ANCHOR_PAD`, `block_keep = 0`). With `count <= N` every
+    valid anchor is taken.
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
-    valid_K = valid_anchor_positions(loss_mask_T)
-    count = min(valid_K.size, num_anchors)
-    chosen = valid_K if count == valid_K.size else rng.choice(valid_K, size=count, replace=False)
+    valid_positions = valid_anchor_positions(loss_mask_T)
+    count = min(valid_positions.size, num_anchors)
+    chosen = (
+        valid_positions
+        if count == valid_positions.size
+        else rng.choice(valid_positions, size=count, replace=False)
+    )
     anchors_N = np.full(num_anchors, ANCHOR_PAD, dtype=np.int32)
     anchors_N[:count] = np.sort(chosen)
     block_keep_N = np.zeros(num_anchors, dtype=np.uint8)

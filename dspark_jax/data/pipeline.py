@@ -11,9 +11,9 @@ Order of operations (all deterministic in `PipelineConfig.seed`):
 2. Each stream element reads its record, pads/truncates it to `max_length` and draws its
    anchors with an RNG seeded by `(seed, epoch, g)`: independent of worker count,
    process count and iterator restarts.
-3. The stream is cut into chunks of `per_process_batch`; process `p` of `P` takes chunks
-   `p, p + P, ...`, so global step `s` covers stream positions `[s * G, (s + 1) * G)`
-   (`G` = global batch) whatever the process count. With finite epochs the tail that
+3. The stream is cut into chunks of `per_process_batch`; process `p` of `num_processes` takes
+   chunks `p, p + num_processes, ...`, so global step `i` covers stream positions
+   `[i * global_batch, (i + 1) * global_batch)` whatever the process count. With finite epochs the tail that
    does not fill a global batch is dropped.
 
 Batch dict (per process, `B = per_process_batch`, `T = max_length`, `N = num_anchors`): the

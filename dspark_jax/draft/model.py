@@ -1,11 +1,11 @@
 """The DSpark block draft (Flax NNX): aux projection, block backbone, Markov and confidence heads.
 
-Notation (DESIGN.md section 2): a block with anchor `a` has `S = 7` slots at RoPE positions
-`a + k`; slot 0 holds `E(x[a])`, slots 1..6 `E(MASK)`; prediction `i` (slot i's output
-`h[i]`) predicts `x[a+1+i]`. Context features `c[j] = RMSNorm(W_aux [H_l1[j]; H_l2[j];
-H_l3[j]])` are visible to the block for `j < a` only. The Markov head adds
-`W2 W1[t_i]` to the logits `h[i] @ lm_head`, with predecessor `t_i = x[a+i]`; the
-confidence head reads `[h_i; m_i]`.
+Notation (DESIGN.md section 2; shape letters: the legend in `dspark_jax/__init__.py`): a block
+with anchor `a` has `S = 7` slots at RoPE positions `a + i`; slot 0 holds `E(x[a])`, slots
+1..6 `E(MASK)`; prediction `i` (slot i's output `h[i]`) predicts `x[a+1+i]`. Context features
+`c[j] = RMSNorm(W_aux [H_l1[j]; H_l2[j]; H_l3[j]])` are visible to the block for `j < a` only.
+The Markov head adds `W2 W1[t_i]` to the logits `h[i] @ lm_head`, with predecessor
+`t_i = x[a+i]`; the confidence head reads `[h_i; m_i]`.
 
 The target's embedding and LM head are frozen inputs (`FrozenTarget`), not parameters.
 Variants extend the pieces here by composition: other block inputs, memory keys/values,
@@ -114,7 +114,7 @@ class FrozenTarget(NamedTuple):
 
 
 class DraftLayer(DecoderBlock):
-    """A Qwen3-style layer whose K/V are `[context; memory; block]` under the block visibility rule."""
+    """A Qwen3-style layer over keys/values `[context; memory; block]` under the block visibility rule."""
 
     def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, param_dtype: Dtype, dtype: Dtype):
         super().__init__(
@@ -144,13 +144,13 @@ class DraftLayer(DecoderBlock):
     def __call__(
         self, x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory_BxNxMxH=None, memory_valid_BxNxM=None
     ):
-        """One layer over `N` blocks of `S` slots; `ctx_kv = (k_BxTxKxD, v_BxTxKxD)` from `context_kv`."""
+        """One layer over `N` blocks of `S` slots; `ctx_kv = (k_BxTxGxD, v_BxTxGxD)` from `context_kv`."""
         b, n, s, _ = x_BxNxSxH.shape
-        slot_pos_BxQ = (anchors_BxN[:, :, None] + jnp.arange(s)).reshape(b, n * s)
-        h_BxQxH = self.input_norm(x_BxNxSxH).reshape(b, n * s, -1)
-        q = apply_rope(self.attn.queries(h_BxQxH), slot_pos_BxQ, inv_freq)
-        k_blk, v_blk = self.attn.keys_values(h_BxQxH)
-        k_blk = apply_rope(k_blk, slot_pos_BxQ, inv_freq)
+        slot_pos_BxNS = (anchors_BxN[:, :, None] + jnp.arange(s)).reshape(b, n * s)
+        h_BxNSxH = self.input_norm(x_BxNxSxH).reshape(b, n * s, -1)
+        q = apply_rope(self.attn.queries(h_BxNSxH), slot_pos_BxNS, inv_freq)
+        k_blk, v_blk = self.attn.keys_values(h_BxNSxH)
+        k_blk = apply_rope(k_blk, slot_pos_BxNS, inv_freq)
         k_ctx, v_ctx = ctx_kv
         memory = None
         if memory_BxNxMxH is not None:
@@ -184,9 +184,9 @@ class MarkovHead(nnx.Module):
         self.w1 = nnx.Param(normal_init(rngs, (vocab, rank), param_dtype), axes=("vocab", "rank"))
         self.w2 = nnx.Param(normal_init(rngs, (rank, vocab), param_dtype), axes=("rank", "vocab"))
 
-    def features(self, predecessors_xK: jax.Array) -> jax.Array:
-        """`m [..., R]` for predecessor token ids."""
-        return jnp.take(self.w1.get_value(), predecessors_xK, axis=0)
+    def features(self, predecessors_x: jax.Array) -> jax.Array:
+        """`m [..., R]` for predecessor token ids `[...]`."""
+        return jnp.take(self.w1.get_value(), predecessors_x, axis=0)
 
     def bias(self, m_xR: jax.Array) -> jax.Array:
         """Float32 vocabulary bias `[..., V]`."""
@@ -237,14 +237,13 @@ class DSparkDraft(nnx.Module):
 
     def block_inputs(self, frozen: FrozenTarget, anchor_tokens_BxN: jax.Array) -> jax.Array:
         """Baseline block inputs `[E(x[a]), E(MASK) x (S-1)]`, `[B, N, S, H]`."""
-        anchor_BxNx1xH = jnp.take(frozen.embedding_VxH, anchor_tokens_BxN, axis=0)[:, :, None]
+        anchor_BxNxH = jnp.take(frozen.embedding_VxH, anchor_tokens_BxN, axis=0)
         b, n = anchor_tokens_BxN.shape
-        mask_BxNxMxH = jnp.broadcast_to(
-            self.mask_vector(frozen), (b, n, self.cfg.block_size - 1, self.cfg.hidden_size)
+        mask_BxNxSxH = jnp.broadcast_to(
+            self.mask_vector(frozen).astype(anchor_BxNxH.dtype),
+            (b, n, self.cfg.block_size, self.cfg.hidden_size),
         )
-        return jnp.concatenate([anchor_BxNx1xH, mask_BxNxMxH.astype(anchor_BxNx1xH.dtype)], axis=2).astype(
-            self.dtype
-        )
+        return mask_BxNxSxH.at[:, :, 0].set(anchor_BxNxH).astype(self.dtype)
 
     def context_kv(self, ctx_BxTxH: jax.Array, positions_BxT: jax.Array | None = None) -> list:
         """Per-layer context keys/values of features `c` at `positions` (default `0..T-1`)."""

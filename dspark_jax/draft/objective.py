@@ -1,10 +1,12 @@
 """DSpark training objective and teacher-forced offline metrics (DESIGN.md section 2), chunked over anchors.
 
-Notation: `B` samples, `N` anchors (blocks) per sample, `K = 7` predictions per block, `H` hidden size,
-`V` vocabulary, `C` anchors per chunk. Prediction `i` of the block at anchor `a` predicts `x[a+1+i]`
-(`labels`), its teacher is `p_i = softmax(S[a+i] @ lm_head)` (`teacher_hidden` holds `S[a+i]`), the
-draft distribution is `q_i = softmax(l_i)` with the Markov-corrected logits `l_i` of a caller-supplied
-head, and the overlap is `a_i = sum_v min(p_i, q_i)`. With `w_i = exp(-i/4) * eval_mask_i`:
+Notation: shape letters follow the legend in `dspark_jax/__init__.py` (`B` samples, `N` anchors
+(blocks) per sample, `S = 7` predictions per block, `H` hidden size, `V` vocabulary, `C` anchors per
+chunk). Prediction `i` of the block at anchor `a` predicts `x[a+1+i]` (`labels`), its teacher is
+`p_i = softmax(S[a+i] @ lm_head)` (`teacher_hidden` holds `S[a+i]`, DESIGN.md's name for the target's
+post-norm final state: a value, not the shape letter `S`), the draft distribution is
+`q_i = softmax(l_i)` with the Markov-corrected logits `l_i` of a caller-supplied head, and the overlap
+is `a_i = sum_v min(p_i, q_i)`. With `w_i = exp(-i/4) * eval_mask_i`:
 
     L = 0.1 * CE + 0.9 * L1 + 1.0 * BCE,   each term = sum(w * term) / sum(w),
 
@@ -18,7 +20,7 @@ and `loss_from_sums` / `metrics_from_sums` divide them. A trainer differentiates
 the summed denominators (`LossTerms`), all on device: denominators that depend on the step's own
 computation (Draft Memory's dropped transitions, a rank loss's hit set) never visit the host.
 
-Memory. The vocabulary tensors (`[B, C, K, V]` logits, probabilities, log-probabilities for teacher
+Memory. The vocabulary tensors (`[B, C, S, V]` logits, probabilities, log-probabilities for teacher
 and draft) exist for one chunk of `C` anchors at a time: chunks run under `jax.lax.scan` and each chunk
 body is wrapped in `jax.checkpoint`, so the backward pass recomputes them chunk by chunk instead of
 storing them for all `N` anchors.
@@ -43,70 +45,70 @@ DSPARK_LOSS: LossTerms = {"weight": {"ce": 0.1, "l1": 0.9, "bce": 1.0}}
 HeadFn = Callable[[dict[str, jax.Array]], Mapping[str, jax.Array | Mapping[str, jax.Array]]]
 
 
-def position_weights(eval_mask_xK: jax.Array) -> jax.Array:
-    """Loss weights `w_i = exp(-i / POSITION_DECAY) * eval_mask_i`: f32[..., K] for a mask [..., K]."""
-    num_predictions = eval_mask_xK.shape[-1]
-    decay_K = jnp.exp(-jnp.arange(num_predictions, dtype=jnp.float32) / POSITION_DECAY)
-    return decay_K * eval_mask_xK.astype(jnp.float32)
+def position_weights(eval_mask_xS: jax.Array) -> jax.Array:
+    """Loss weights `w_i = exp(-i / POSITION_DECAY) * eval_mask_i`: f32[..., S] for a mask [..., S]."""
+    num_predictions = eval_mask_xS.shape[-1]
+    decay_S = jnp.exp(-jnp.arange(num_predictions, dtype=jnp.float32) / POSITION_DECAY)
+    return decay_S * eval_mask_xS.astype(jnp.float32)
 
 
 def _chunk_sums(
     head_fn: HeadFn,
     lm_head_HxV: jax.Array,
     inputs: dict[str, jax.Array],
-    teacher_hidden_BxCxKxH: jax.Array,
-    labels_BxCxK: jax.Array,
-    eval_mask_BxCxK: jax.Array,
+    teacher_hidden_BxCxSxH: jax.Array,
+    labels_BxCxS: jax.Array,
+    eval_mask_BxCxS: jax.Array,
 ) -> dict[str, jax.Array]:
     """All sums of one chunk of `C` anchors; see `block_objective_sums` for the keys."""
     out = head_fn(inputs)
-    logits_BxCxKxV = sharding.constrain(out["logits"].astype(jnp.float32), ("batch", None, None, "vocab"))
-    conf_logit_BxCxK = out["confidence_logit"].astype(jnp.float32)
-    teacher_logits_BxCxKxV = jnp.einsum(
-        "bckh,hv->bckv",
-        teacher_hidden_BxCxKxH,
+    logits_BxCxSxV = sharding.constrain(out["logits"].astype(jnp.float32), ("batch", None, None, "vocab"))
+    conf_logit_BxCxS = out["confidence_logit"].astype(jnp.float32)
+    teacher_logits_BxCxSxV = jnp.einsum(
+        "bcsh,hv->bcsv",
+        teacher_hidden_BxCxSxH,
         jax.lax.stop_gradient(lm_head_HxV),
         preferred_element_type=jnp.float32,
     )
-    p_BxCxKxV = jax.nn.softmax(teacher_logits_BxCxKxV, axis=-1)
-    log_q_BxCxKxV = jax.nn.log_softmax(logits_BxCxKxV, axis=-1)
-    q_BxCxKxV = jnp.exp(log_q_BxCxKxV)
+    p_BxCxSxV = jax.nn.softmax(teacher_logits_BxCxSxV, axis=-1)
+    log_q_BxCxSxV = jax.nn.log_softmax(logits_BxCxSxV, axis=-1)
+    q_BxCxSxV = jnp.exp(log_q_BxCxSxV)
 
-    mask_BxCxK = eval_mask_BxCxK.astype(jnp.float32)
-    valid_BxCxK = mask_BxCxK > 0
-    ce_BxCxK = -jnp.take_along_axis(log_q_BxCxKxV, labels_BxCxK[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    l1_BxCxK = jnp.sum(jnp.abs(p_BxCxKxV - q_BxCxKxV), axis=-1)
-    overlap_BxCxK = jax.lax.stop_gradient(jnp.sum(jnp.minimum(p_BxCxKxV, q_BxCxKxV), axis=-1))
-    bce_BxCxK = jax.nn.softplus(conf_logit_BxCxK) - overlap_BxCxK * conf_logit_BxCxK
-    conf_err_BxCxK = jax.nn.sigmoid(conf_logit_BxCxK) - overlap_BxCxK
+    mask_BxCxS = eval_mask_BxCxS.astype(jnp.float32)
+    valid_BxCxS = mask_BxCxS > 0
+    ce_BxCxS = -jnp.take_along_axis(log_q_BxCxSxV, labels_BxCxS[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    l1_BxCxS = jnp.sum(jnp.abs(p_BxCxSxV - q_BxCxSxV), axis=-1)
+    overlap_BxCxS = jax.lax.stop_gradient(jnp.sum(jnp.minimum(p_BxCxSxV, q_BxCxSxV), axis=-1))
+    bce_BxCxS = jax.nn.softplus(conf_logit_BxCxS) - overlap_BxCxS * conf_logit_BxCxS
+    conf_err_BxCxS = jax.nn.sigmoid(conf_logit_BxCxS) - overlap_BxCxS
 
-    weight_BxCxK = position_weights(mask_BxCxK)
+    weight_BxCxS = position_weights(mask_BxCxS)
     # Confidence calibration along the block, as DeepSpec logs it: predicted vs actual prefix acceptance.
-    conf_prefix_BxCxK = jnp.cumprod(jax.nn.sigmoid(conf_logit_BxCxK) * mask_BxCxK, axis=-1)
-    accept_prefix_BxCxK = jnp.cumprod(overlap_BxCxK * mask_BxCxK, axis=-1)
+    conf_prefix_BxCxS = jnp.cumprod(jax.nn.sigmoid(conf_logit_BxCxS) * mask_BxCxS, axis=-1)
+    accept_prefix_BxCxS = jnp.cumprod(overlap_BxCxS * mask_BxCxS, axis=-1)
 
-    def masked(term_BxCxK: jax.Array, scale_BxCxK: jax.Array) -> jax.Array:
-        return jnp.sum(scale_BxCxK * jnp.where(valid_BxCxK, term_BxCxK, 0.0))
+    def masked(term_BxCxS: jax.Array, scale_BxCxS: jax.Array) -> jax.Array:
+        return jnp.sum(scale_BxCxS * jnp.where(valid_BxCxS, term_BxCxS, 0.0))
 
-    accepted_BxCxK = jnp.where(valid_BxCxK, overlap_BxCxK * mask_BxCxK, 0.0)
-    valid_block_BxC = mask_BxCxK[..., 0] > 0
-    tau_BxC = 1.0 + jnp.sum(jnp.cumprod(accepted_BxCxK, axis=-1), axis=-1)
+    accepted_BxCxS = jnp.where(valid_BxCxS, overlap_BxCxS * mask_BxCxS, 0.0)
+    valid_block_BxC = mask_BxCxS[..., 0] > 0
+    tau_BxC = 1.0 + jnp.sum(jnp.cumprod(accepted_BxCxS, axis=-1), axis=-1)
     sums = {
-        "ce": masked(ce_BxCxK, weight_BxCxK),
-        "l1": masked(l1_BxCxK, weight_BxCxK),
-        "bce": masked(bce_BxCxK, weight_BxCxK),
-        "weight": jnp.sum(weight_BxCxK),
-        "ce_unweighted": masked(ce_BxCxK, mask_BxCxK),
-        "l1_unweighted": masked(l1_BxCxK, mask_BxCxK),
-        "bce_unweighted": masked(bce_BxCxK, mask_BxCxK),
+        "ce": masked(ce_BxCxS, weight_BxCxS),
+        "l1": masked(l1_BxCxS, weight_BxCxS),
+        "bce": masked(bce_BxCxS, weight_BxCxS),
+        "weight": jnp.sum(weight_BxCxS),
+        "ce_unweighted": masked(ce_BxCxS, mask_BxCxS),
+        "l1_unweighted": masked(l1_BxCxS, mask_BxCxS),
+        "bce_unweighted": masked(bce_BxCxS, mask_BxCxS),
         "tau": jnp.sum(jnp.where(valid_block_BxC, tau_BxC, 0.0)),
         "blocks": jnp.sum(valid_block_BxC.astype(jnp.float32)),
-        "accept": jnp.sum(accepted_BxCxK, axis=(0, 1)),
-        "accept_count": jnp.sum(mask_BxCxK, axis=(0, 1)),
-        "conf_abs_err": masked(jnp.abs(conf_err_BxCxK), weight_BxCxK),
-        "conf_bias": masked(conf_err_BxCxK, weight_BxCxK),
-        "conf_cumprod_bias": masked(conf_prefix_BxCxK - accept_prefix_BxCxK, weight_BxCxK),
-        "predictions": jnp.sum(mask_BxCxK),
+        "accept": jnp.sum(accepted_BxCxS, axis=(0, 1)),
+        "accept_count": jnp.sum(mask_BxCxS, axis=(0, 1)),
+        "conf_abs_err": masked(jnp.abs(conf_err_BxCxS), weight_BxCxS),
+        "conf_bias": masked(conf_err_BxCxS, weight_BxCxS),
+        "conf_cumprod_bias": masked(conf_prefix_BxCxS - accept_prefix_BxCxS, weight_BxCxS),
+        "predictions": jnp.sum(mask_BxCxS),
     }
     extra = {name: jnp.asarray(value, jnp.float32) for name, value in out.get("extra_sums", {}).items()}
     if clash := sorted(set(extra) & set(sums)):
@@ -117,10 +119,10 @@ def _chunk_sums(
 def block_objective_sums(
     head_fn: HeadFn,
     head_inputs: Mapping[str, jax.Array],
-    teacher_hidden_BxNxKxH: jax.Array,
+    teacher_hidden_BxNxSxH: jax.Array,
     lm_head_HxV: jax.Array,
-    labels_BxNxK: jax.Array,
-    eval_mask_BxNxK: jax.Array,
+    labels_BxNxS: jax.Array,
+    eval_mask_BxNxS: jax.Array,
     *,
     anchor_chunk: int,
 ) -> dict[str, jax.Array]:
@@ -128,18 +130,18 @@ def block_objective_sums(
 
     `head_fn(chunk_inputs)` gets `{k: v[:, n0:n0+C]}` for every `head_inputs` entry (all sliced along
     the anchor axis 1; the trainable parameters live in `head_fn`'s closure) and returns
-    `logits` f32[B, C, K, V] (the corrected draft logits `l_i`), `confidence_logit` f32[B, C, K] and
+    `logits` f32[B, C, S, V] (the corrected draft logits `l_i`), `confidence_logit` f32[B, C, S] and
     optionally `extra_sums` (a dict of arrays, summed over chunks). `N` is padded up to a multiple of
     `C = min(anchor_chunk, N)` with zeros (eval_mask 0), so `head_fn` must stay finite on zero inputs.
 
-    Inputs: `teacher_hidden_BxNxKxH` = `S[a+i]` (bf16 is fine), `lm_head_HxV` (frozen: stop_gradient),
-    `labels_BxNxK` int = `x[a+1+i]`, `eval_mask_BxNxK` 0/1, cumulative over i and 0 on padded blocks.
+    Inputs: `teacher_hidden_BxNxSxH` = `S[a+i]` (bf16 is fine), `lm_head_HxV` (frozen: stop_gradient),
+    `labels_BxNxS` int = `x[a+1+i]`, `eval_mask_BxNxS` 0/1, cumulative over i and 0 on padded blocks.
     Teacher logits accumulate in fp32; all losses are fp32.
 
     Returns f32 sums: `ce`, `l1`, `bce` (position-weighted numerators), `weight` (sum of `w`),
     `ce_unweighted`, `l1_unweighted`, `bce_unweighted` (over valid predictions, no decay), `tau` (sum
     of per-block tau_prob over valid blocks), `blocks` (valid blocks: `eval_mask[..., 0] = 1`),
-    `accept` [K] (sum of `a_i * eval_mask_i`), `accept_count` [K] (sum of `eval_mask_i`),
+    `accept` [S] (sum of `a_i * eval_mask_i`), `accept_count` [S] (sum of `eval_mask_i`),
     `conf_abs_err`, `conf_bias` and `conf_cumprod_bias` (position-weighted sums of
     `|sigmoid(s_i) - a_i|`, `sigmoid(s_i) - a_i` and
     `cumprod_i(sigmoid(s_i) * mask_i) - cumprod_i(a_i * mask_i)`), `predictions` (valid
@@ -147,18 +149,18 @@ def block_objective_sums(
     """
     if anchor_chunk < 1:
         raise ValueError(f"anchor_chunk must be >= 1, got {anchor_chunk}")
-    num_anchors = eval_mask_BxNxK.shape[1]
+    num_anchors = eval_mask_BxNxS.shape[1]
     chunk = min(anchor_chunk, num_anchors)
     num_chunks = -(-num_anchors // chunk)
     pad = num_chunks * chunk - num_anchors
 
-    def to_chunks(x_BxNx: jax.Array) -> jax.Array:
+    def to_chunks(x: jax.Array) -> jax.Array:
         """[B, N, ...] -> [num_chunks, B, C, ...], zero-padded along N."""
-        x_BxNx = jnp.pad(x_BxNx, [(0, 0), (0, pad)] + [(0, 0)] * (x_BxNx.ndim - 2))
-        x_BxMxCx = x_BxNx.reshape(x_BxNx.shape[0], num_chunks, chunk, *x_BxNx.shape[2:])
-        return jnp.moveaxis(x_BxMxCx, 1, 0)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        chunked = x.reshape(x.shape[0], num_chunks, chunk, *x.shape[2:])  # [B, num_chunks, C, ...]
+        return jnp.moveaxis(chunked, 1, 0)
 
-    xs = jax.tree.map(to_chunks, (dict(head_inputs), teacher_hidden_BxNxKxH, labels_BxNxK, eval_mask_BxNxK))
+    xs = jax.tree.map(to_chunks, (dict(head_inputs), teacher_hidden_BxNxSxH, labels_BxNxS, eval_mask_BxNxS))
     body = jax.checkpoint(lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, *chunk_xs), prevent_cse=False)
     _, per_chunk = jax.lax.scan(lambda carry, chunk_xs: (carry, body(chunk_xs)), None, xs)
     return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_chunk)
@@ -171,18 +173,18 @@ def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
 
 
 def loss_numerators(sums: Mapping[str, jax.Array], terms: LossTerms = DSPARK_LOSS) -> jax.Array:
-    """f32[G]: each loss group's numerator `sum(coefficient * sums[name])`, groups in `terms` order."""
+    """f32[loss groups]: each group's numerator `sum(coefficient * sums[name])`, groups in `terms` order."""
     return jnp.stack([sum(c * sums[name] for name, c in group.items()) for group in terms.values()])
 
 
 def loss_denominators(sums: Mapping[str, jax.Array], terms: LossTerms = DSPARK_LOSS) -> jax.Array:
-    """f32[G]: each loss group's (globally summed) denominator."""
+    """f32[loss groups]: each loss group's (globally summed) denominator."""
     return jnp.stack([jnp.asarray(sums[name], jnp.float32) for name in terms])
 
 
-def normalise(numerators_G: jax.Array, denominators_G: jax.Array) -> jax.Array:
+def normalise(numerators: jax.Array, denominators: jax.Array) -> jax.Array:
     """`numerators / denominators` per group, 0 for an empty group (a group with no valid prediction)."""
-    return _safe_div(numerators_G, denominators_G)
+    return _safe_div(numerators, denominators)
 
 
 def loss_from_sums(sums: Mapping[str, jax.Array], terms: LossTerms = DSPARK_LOSS) -> jax.Array:
@@ -195,7 +197,7 @@ def metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
 
     Keys: `loss` (the DSpark loss); `ce`, `l1`, `bce` (position-weighted, as in the loss);
     `ce_per_token`, `l1_per_token`, `bce_per_token` (plain means over valid predictions); `tau_prob`;
-    `accept_rate@0` .. `accept_rate@{K-1}`; `confidence_abs_error`, `confidence_bias`,
+    `accept_rate@0` .. `accept_rate@{S-1}`; `confidence_abs_error`, `confidence_bias`,
     `confidence_cumprod_bias` (position-weighted means, as DeepSpec logs them); `valid_blocks`,
     `valid_predictions`. Ratios with a zero denominator are 0.
     """
@@ -214,6 +216,6 @@ def metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         "valid_blocks": sums["blocks"],
         "valid_predictions": predictions,
     }
-    accept_rate_K = _safe_div(sums["accept"], sums["accept_count"])
-    metrics |= {f"accept_rate@{i}": accept_rate_K[i] for i in range(accept_rate_K.shape[0])}
+    accept_rate_S = _safe_div(sums["accept"], sums["accept_count"])
+    metrics |= {f"accept_rate@{i}": accept_rate_S[i] for i in range(accept_rate_S.shape[0])}
     return metrics

@@ -51,9 +51,9 @@ class SpecReport:
         self.per_request_mal += [float(n / c) for n, c in zip(lengths_B, cycles_B) if c]
         for name, key in (
             ("accepted_hist", "accepted_hist"),
-            ("reached", "reached_K"),
-            ("accepted", "accepted_K"),
-            ("confidence", "confidence_K"),
+            ("reached", "reached_S"),
+            ("accepted", "accepted_S"),
+            ("confidence", "confidence_S"),
         ):
             value = np.asarray(stats[key], np.float64)
             setattr(self, name, value if getattr(self, name) is None else getattr(self, name) + value)

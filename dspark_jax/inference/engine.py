@@ -18,7 +18,7 @@ Prompts are right-padded, so cache slots equal positions.
 
 Steps 1-2 belong to the experiment group: a `Proposer` (registered with the group in
 `dspark_jax.experiments`) makes the block and may carry per-request state across cycles
-(Draft Memory's last-round hidden states, a reranker's prefix K/V, Engram lookups).
+(Draft Memory's last-round hidden states, a reranker's prefix keys/values, Engram lookups).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SpecSettings:
 
 
 class SpecState(NamedTuple):
-    """Loop state; `B` rows, `T` cache slots, `O` output slots."""
+    """Loop state; `B` rows, `T` cache slots, `O` output slots (the legend in `dspark_jax/__init__.py`)."""
 
     cycle: jax.Array
     target_cache: KVCache
@@ -86,15 +86,19 @@ class Proposer(NamedTuple):
     next_carry: Callable = lambda draft, carry, draft_out, num_accepted_B, active_B: carry
 
 
-def _write_rows(buffer_BxSx, new_BxTx, start_B):
-    """Writes `new` into each row of `buffer` at that row's own slot offset."""
-    rows_Bx1 = jnp.arange(buffer_BxSx.shape[0])[:, None]
-    slots_BxT = start_B[:, None] + jnp.arange(new_BxTx.shape[1])
-    return buffer_BxSx.at[rows_Bx1, slots_BxT].set(new_BxTx.astype(buffer_BxSx.dtype), mode="drop")
+def _write_rows(buffer, new, start_B):
+    """Writes `new` `[B, count, ...]` into each row of `buffer` `[B, slots, ...]` at that row's offset.
+
+    `buffer` holds cache slots (`T`) or output slots (`O`); row `b` gets `new[b]` at slots
+    `start_B[b] ..`; slots past the buffer's end are dropped.
+    """
+    rows_Bx1 = jnp.arange(buffer.shape[0])[:, None]
+    slots_BxT = start_B[:, None] + jnp.arange(new.shape[1])
+    return buffer.at[rows_Bx1, slots_BxT].set(new.astype(buffer.dtype), mode="drop")
 
 
 def append_context(draft: DSparkDraft, draft_k, draft_v, aux_BxTxAxH, start_B):
-    """Adds the draft context K/V of target states at positions `start .. start + T - 1`."""
+    """Adds the draft context keys/values of target states at positions `start .. start + T - 1`."""
     positions_BxT = start_B[:, None] + jnp.arange(aux_BxTxAxH.shape[1])
     kvs = draft.context_kv(draft.context(aux_BxTxAxH.astype(draft.dtype)), positions_BxT)
     new_k = tuple(_write_rows(buf, k, start_B) for buf, (k, _) in zip(draft_k, kvs))
@@ -153,16 +157,16 @@ def prefill(
     shape = (b, max_len, draft.cfg.num_kv_heads, draft.cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, draft.dtype) for _ in draft.layers)
     draft_k, draft_v = append_context(draft, zeros, zeros, out.aux_BxTxAxH, jnp.zeros((b,), jnp.int32))
-    k = draft.cfg.block_size
-    out_BxO = jnp.full((b, settings.max_new_tokens + k + 1), -1, jnp.int32).at[:, 0].set(first_B)
+    s = draft.cfg.block_size
+    out_BxO = jnp.full((b, settings.max_new_tokens + s + 1), -1, jnp.int32).at[:, 0].set(first_B)
     eos = jnp.asarray(settings.eos_ids, jnp.int32)
     stats = {
         "cycles_B": jnp.zeros((b,), jnp.int32),
         "accepted_len_B": jnp.zeros((b,), jnp.int32),  # sum over the row's cycles of m + 1
-        "accepted_hist": jnp.zeros((k + 2,), jnp.int32),  # index = accepted length m + 1
-        "reached_K": jnp.zeros((k,), jnp.int32),  # proposal i was verified
-        "accepted_K": jnp.zeros((k,), jnp.int32),  # proposal i was accepted
-        "confidence_K": jnp.zeros((k,), jnp.float32),  # sum of predicted acceptance over reached proposals
+        "accepted_hist": jnp.zeros((s + 2,), jnp.int32),  # index = accepted length m + 1
+        "reached_S": jnp.zeros((s,), jnp.int32),  # proposal i was verified
+        "accepted_S": jnp.zeros((s,), jnp.int32),  # proposal i was accepted
+        "confidence_S": jnp.zeros((s,), jnp.float32),  # sum of predicted acceptance over reached proposals
     }
     return SpecState(
         jnp.int32(0),
@@ -214,43 +218,43 @@ def verify_and_accept(
 
     Returns the next state and the number of accepted proposals per row.
     """
-    drafts_BxK, draft_logits, confidence_BxK = proposals
+    drafts_BxS, draft_logits, confidence_BxS = proposals
     p_B = state.target_cache.end_B
     verify = target(
-        jnp.concatenate([state.pending_B[:, None], drafts_BxK], 1),
+        jnp.concatenate([state.pending_B[:, None], drafts_BxS], 1),
         cache=state.target_cache,
         aux_layer_ids=settings.aux_layer_ids,
     )
     target_logits = target.logits(verify.hidden_BxTxH)
     if settings.params.temperature == 0:
-        m_B, next_B = accept_greedy(drafts_BxK, target_logits)
+        m_B, next_B = accept_greedy(drafts_BxS, target_logits)
     else:
-        m_B, next_B = accept_sampling(drafts_BxK, draft_logits, target_logits, rng, settings.params)
+        m_B, next_B = accept_sampling(drafts_BxS, draft_logits, target_logits, rng, settings.params)
     active_B = ~state.done_B
-    k = drafts_BxK.shape[1]
+    s = drafts_BxS.shape[1]
     # Emit d_1..d_m and the target token.
-    positions_K1 = jnp.arange(k + 1)
-    emitted_BxK1 = jnp.where(positions_K1 < m_B[:, None], jnp.pad(drafts_BxK, ((0, 0), (0, 1))), 0)
-    emitted_BxK1 = jnp.where(positions_K1 == m_B[:, None], next_B[:, None], emitted_BxK1)
+    positions_S1 = jnp.arange(s + 1)
+    emitted_BxS1 = jnp.where(positions_S1 < m_B[:, None], jnp.pad(drafts_BxS, ((0, 0), (0, 1))), 0)
+    emitted_BxS1 = jnp.where(positions_S1 == m_B[:, None], next_B[:, None], emitted_BxS1)
     room_B = settings.max_new_tokens - state.count_B
     n_emit_B = jnp.where(active_B, jnp.minimum(m_B + 1, room_B), 0)
-    keep = positions_K1 < n_emit_B[:, None]
+    keep = positions_S1 < n_emit_B[:, None]
     eos = jnp.asarray(settings.eos_ids, jnp.int32)
-    hit_eos = jnp.any(keep & jnp.isin(emitted_BxK1, eos), axis=1)
-    out_BxO = _write_rows(state.out_BxO, jnp.where(keep, emitted_BxK1, -1), state.count_B)
+    hit_eos = jnp.any(keep & jnp.isin(emitted_BxS1, eos), axis=1)
+    out_BxO = _write_rows(state.out_BxO, jnp.where(keep, emitted_BxS1, -1), state.count_B)
     out_BxO = jnp.where(active_B[:, None], out_BxO, state.out_BxO)
     # Roll the target cache back to the accepted prefix; extend the draft context with it.
     end_B = jnp.where(active_B, p_B + m_B + 1, p_B)
     target_cache = verify.cache._replace(end_B=end_B)
     draft_k, draft_v = append_context(draft, state.draft_k, state.draft_v, verify.aux_BxTxAxH, p_B)
-    reached_BxK = active_B[:, None] & (jnp.arange(k) <= m_B[:, None])
+    reached_BxS = active_B[:, None] & (jnp.arange(s) <= m_B[:, None])
     stats = {
         "cycles_B": state.stats["cycles_B"] + active_B,
         "accepted_len_B": state.stats["accepted_len_B"] + jnp.where(active_B, m_B + 1, 0),
         "accepted_hist": state.stats["accepted_hist"].at[m_B + 1].add(active_B.astype(jnp.int32)),
-        "reached_K": state.stats["reached_K"] + jnp.sum(reached_BxK, 0),
-        "accepted_K": state.stats["accepted_K"] + jnp.sum(reached_BxK & (jnp.arange(k) < m_B[:, None]), 0),
-        "confidence_K": state.stats["confidence_K"] + jnp.sum(jnp.where(reached_BxK, confidence_BxK, 0.0), 0),
+        "reached_S": state.stats["reached_S"] + jnp.sum(reached_BxS, 0),
+        "accepted_S": state.stats["accepted_S"] + jnp.sum(reached_BxS & (jnp.arange(s) < m_B[:, None]), 0),
+        "confidence_S": state.stats["confidence_S"] + jnp.sum(jnp.where(reached_BxS, confidence_BxS, 0.0), 0),
     }
     count_B = state.count_B + n_emit_B
     done_B = state.done_B | hit_eos | (count_B >= settings.max_new_tokens)

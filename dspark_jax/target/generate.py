@@ -133,7 +133,7 @@ def _generate_program(
 ) -> tuple[jax.Array, jax.Array]:
     """Prefill then decode until every row hit EOS or `max_new_tokens`.
 
-    Returns `tokens [B, max_new_tokens]` (EOS included, then padding -1) and `count [B]`,
+    Returns `tokens [B, O]` (`O = max_new_tokens`; EOS included, then padding -1) and `count [B]`,
     the number of tokens generated per row before (and without) EOS.
     """
     model = nnx.merge(graphdef, state)
@@ -148,13 +148,13 @@ def _generate_program(
     eos = jnp.asarray(eos_ids, jnp.int32)
 
     def step(carry):
-        i, cache, hidden_BxH, done_B, out_BxN = carry
+        i, cache, hidden_BxH, done_B, out_BxO = carry
         token_B = sample(model.logits(hidden_BxH), jax.random.fold_in(rng, i), params)
         token_B = jnp.where(done_B, -1, token_B)
-        out_BxN = out_BxN.at[:, i].set(token_B)
+        out_BxO = out_BxO.at[:, i].set(token_B)
         done_B = done_B | jnp.isin(token_B, eos)
         nxt = model(jnp.maximum(token_B, 0)[:, None], cache=cache)
-        return i + 1, nxt.cache, nxt.hidden_BxTxH[:, 0], done_B, out_BxN
+        return i + 1, nxt.cache, nxt.hidden_BxTxH[:, 0], done_B, out_BxO
 
     def running(carry):
         i, _, _, done_B, _ = carry
@@ -167,9 +167,9 @@ def _generate_program(
         jnp.zeros((b,), bool),
         jnp.full((b, max_new_tokens), -1, jnp.int32),
     )
-    _, _, _, _, out_BxN = jax.lax.while_loop(running, step, init)
-    produced_BxN = (out_BxN >= 0) & ~jnp.isin(out_BxN, eos)
-    return out_BxN, jnp.sum(jnp.cumprod(produced_BxN, axis=1), axis=1)
+    _, _, _, _, out_BxO = jax.lax.while_loop(running, step, init)
+    produced_BxO = (out_BxO >= 0) & ~jnp.isin(out_BxO, eos)
+    return out_BxO, jnp.sum(jnp.cumprod(produced_BxO, axis=1), axis=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,9 +59,9 @@ def to_model_layout(hf_value: np.ndarray, layout: str, shape: tuple[int, ...]) -
         out = hf_value
     elif layout == "transpose" or layout == "in_heads":
         out = hf_value.T
-    elif layout == "heads":  # [N*D] -> [N, D]
+    elif layout == "heads":  # [QD] -> [Q, D] (or G heads in place of Q)
         out = hf_value
-    elif layout == "heads_out":  # [H, N*D] -> [N, D, H]
+    elif layout == "heads_out":  # [H, QD] -> [Q, D, H]
         out = hf_value.T
     else:
         raise ValueError(f"unknown layout {layout!r}")

@@ -4,7 +4,8 @@ One forward serves cache building (aux layer outputs and the post-norm final sta
 whole sequence), generation and speculative verification (new tokens appended to a KV
 cache). Index conventions follow DESIGN.md section 2: aux layer `l` is the output of
 decoder layer `l` before the final norm, `-1` the embedding output, and `hidden` is `S`,
-the final state after the final norm.
+the final state after the final norm (DESIGN.md's name for a value, not the shape letter `S`).
+Shape letters in names follow the legend in `dspark_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from dspark_jax.target.config import TargetConfig
 class KVCache(NamedTuple):
     """Per-layer keys/values of a batch of sequences plus each row's valid slot range.
 
-    Row `b` holds tokens in slots `start[b] <= s < end[b]`; the next token goes to slot
+    Row `b` holds tokens in slots `start[b] <= t < end[b]`; the next token goes to slot
     `end[b]`, at RoPE position `end[b] - start[b]`. Left padding sets `start > 0`; rolling
     back a speculative block lowers `end`.
     """
 
-    k_BxSxKxD: tuple[jax.Array, ...]  # one buffer per layer, updated in place under jit
-    v_BxSxKxD: tuple[jax.Array, ...]
+    k_BxTxGxD: tuple[jax.Array, ...]  # one buffer per layer, updated in place under jit
+    v_BxTxGxD: tuple[jax.Array, ...]
     start_B: jax.Array
     end_B: jax.Array
 
@@ -46,7 +47,7 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k_BxSxKxD[0].shape[1]
+        return self.k_BxTxGxD[0].shape[1]
 
 
 class TargetOutput(NamedTuple):
@@ -73,24 +74,24 @@ class DecoderLayer(DecoderBlock):
             dtype=dtype,
         )
 
-    def __call__(self, x_BxTxH, positions_BxT, inv_freq, visible_BxTxS, kv=None):
-        """One layer. `kv = (k_BxSxKxD, v_BxSxKxD, slots_BxT)` appends the new keys/values to a
+    def __call__(self, x_BxTxH, positions_BxT, inv_freq, visible_BxTxT, kv=None):
+        """One layer. `kv = (k_BxTxGxD, v_BxTxGxD, slots_BxT)` appends the new keys/values to a
         cache at `slots_BxT` and attends over it; without it the layer attends over its own
         keys/values. Returns the new residual stream and the keys/values attended over."""
         h = self.input_norm(x_BxTxH)
-        q_BxTxNxD = apply_rope(self.attn.queries(h), positions_BxT, inv_freq)
-        k_BxTxKxD, v_BxTxKxD = self.attn.keys_values(h)
-        k_BxTxKxD = apply_rope(k_BxTxKxD, positions_BxT, inv_freq)
+        q_BxTxQxD = apply_rope(self.attn.queries(h), positions_BxT, inv_freq)
+        k_BxTxGxD, v_BxTxGxD = self.attn.keys_values(h)
+        k_BxTxGxD = apply_rope(k_BxTxGxD, positions_BxT, inv_freq)
         if kv is not None:
             k_cache, v_cache, slots_BxT = kv
             rows_Bx1 = jnp.arange(slots_BxT.shape[0])[:, None]
-            k_BxTxKxD = k_cache.at[rows_Bx1, slots_BxT].set(k_BxTxKxD.astype(k_cache.dtype))
-            v_BxTxKxD = v_cache.at[rows_Bx1, slots_BxT].set(v_BxTxKxD.astype(v_cache.dtype))
-        attn_BxTxNxD = gqa_attention(
-            q_BxTxNxD, k_BxTxKxD.astype(q_BxTxNxD.dtype), v_BxTxKxD.astype(q_BxTxNxD.dtype), visible_BxTxS
+            k_BxTxGxD = k_cache.at[rows_Bx1, slots_BxT].set(k_BxTxGxD.astype(k_cache.dtype))
+            v_BxTxGxD = v_cache.at[rows_Bx1, slots_BxT].set(v_BxTxGxD.astype(v_cache.dtype))
+        attn_BxTxQxD = gqa_attention(
+            q_BxTxQxD, k_BxTxGxD.astype(q_BxTxQxD.dtype), v_BxTxGxD.astype(q_BxTxQxD.dtype), visible_BxTxT
         )
-        x_BxTxH = self.finish(x_BxTxH, attn_BxTxNxD)
-        return x_BxTxH, k_BxTxKxD, v_BxTxKxD
+        x_BxTxH = self.finish(x_BxTxH, attn_BxTxQxD)
+        return x_BxTxH, k_BxTxGxD, v_BxTxGxD
 
 
 class Transformer(nnx.Module):
@@ -165,24 +166,24 @@ class Transformer(nnx.Module):
             if valid_BxT is not None:
                 start_B = jnp.argmax(valid_BxT, axis=1).astype(jnp.int32)  # left padding
             slots_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            key_slots_S = jnp.arange(t, dtype=jnp.int32)
+            key_slots_T = jnp.arange(t, dtype=jnp.int32)
         else:
             start_B = cache.start_B
             slots_BxT = cache.end_B[:, None] + jnp.arange(t, dtype=jnp.int32)
-            key_slots_S = jnp.arange(cache.max_len, dtype=jnp.int32)
+            key_slots_T = jnp.arange(cache.max_len, dtype=jnp.int32)
         positions_BxT = slots_BxT - start_B[:, None]
-        visible_BxTxS = (key_slots_S[None, None, :] <= slots_BxT[:, :, None]) & (
-            key_slots_S[None, None, :] >= start_B[:, None, None]
+        visible_BxTxT = (key_slots_T[None, None, :] <= slots_BxT[:, :, None]) & (
+            key_slots_T[None, None, :] >= start_B[:, None, None]
         )
         if cache is None and valid_BxT is not None:
-            visible_BxTxS = visible_BxTxS & valid_BxT[:, None, :].astype(bool)
+            visible_BxTxT = visible_BxTxT & valid_BxT[:, None, :].astype(bool)
 
         x_BxTxH = self.embed(tokens_BxT)
         aux = {-1: x_BxTxH}
         ks, vs = [], []
         for index, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k_BxSxKxD[index], cache.v_BxSxKxD[index], slots_BxT)
-            x_BxTxH, k, v = layer(x_BxTxH, positions_BxT, self.inv_freq.get_value(), visible_BxTxS, kv)
+            kv = None if cache is None else (cache.k_BxTxGxD[index], cache.v_BxTxGxD[index], slots_BxT)
+            x_BxTxH, k, v = layer(x_BxTxH, positions_BxT, self.inv_freq.get_value(), visible_BxTxT, kv)
             ks.append(k)
             vs.append(v)
             aux[index] = x_BxTxH

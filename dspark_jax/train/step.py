@@ -1,9 +1,9 @@
 """The update step as pure functions over NNX state, split for gradient accumulation.
 
-One optimizer step over a global batch of `M` micro-batches, all on device:
+One optimizer step over a global batch split into micro-batches, all on device:
 
-  for each micro-batch:  grads_G, sums += micro_step(params, ..., micro_batch)
-  params, opt_state = apply_step(params, opt_state, grads_G, sums)
+  for each micro-batch:  group_grads, sums += micro_step(params, ..., micro_batch)
+  params, opt_state = apply_step(params, opt_state, group_grads, sums)
 
 An experiment group's loss is `sum_g numerator_g / denominator_g` over its loss groups
 (`objective.LossTerms`). `micro_step` returns the gradient of each group's *numerator* and the
@@ -46,9 +46,9 @@ def micro_step(
         sums = experiment.train_sums(nnx.merge(graphdef, p, rest), frozen, batch)
         return objective.loss_numerators(sums, experiment.loss_terms), sums
 
-    numerators_G, pullback, sums = jax.vjp(numerators, params, has_aux=True)
-    groups = numerators_G.shape[0]
-    grads = tuple(pullback(jax.nn.one_hot(g, groups, dtype=numerators_G.dtype))[0] for g in range(groups))
+    group_numerators, pullback, sums = jax.vjp(numerators, params, has_aux=True)
+    groups = group_numerators.shape[0]
+    grads = tuple(pullback(jax.nn.one_hot(g, groups, dtype=group_numerators.dtype))[0] for g in range(groups))
     return grads, sums
 
 
@@ -57,12 +57,14 @@ def accumulate(total: Any, new: Any) -> Any:
     return jax.tree.map(jnp.add, total, new)
 
 
-def normalised_grads(grads_G: tuple[nnx.State, ...], sums: Mapping[str, jax.Array], experiment: Experiment):
+def normalised_grads(
+    group_grads: tuple[nnx.State, ...], sums: Mapping[str, jax.Array], experiment: Experiment
+):
     """The gradient of the globally normalised loss: each group's gradient over its global denominator."""
-    denominators_G = objective.loss_denominators(sums, experiment.loss_terms)
+    group_denominators = objective.loss_denominators(sums, experiment.loss_terms)
     scaled = [
-        jax.tree.map(lambda g, d=denominators_G[i]: objective.normalise(g, d.astype(g.dtype)), grads)
-        for i, grads in enumerate(grads_G)
+        jax.tree.map(lambda g, d=group_denominators[i]: objective.normalise(g, d.astype(g.dtype)), grads)
+        for i, grads in enumerate(group_grads)
     ]
     return scaled[0] if len(scaled) == 1 else jax.tree.map(lambda *g: sum(g), *scaled)
 
@@ -70,7 +72,7 @@ def normalised_grads(grads_G: tuple[nnx.State, ...], sums: Mapping[str, jax.Arra
 def apply_step(
     params: nnx.State,
     opt_state: optax.OptState,
-    grads_G: tuple[nnx.State, ...],
+    group_grads: tuple[nnx.State, ...],
     sums: Mapping[str, jax.Array],
     *,
     optimizer: optax.GradientTransformation,
@@ -78,6 +80,6 @@ def apply_step(
 ) -> tuple[nnx.State, optax.OptState, jax.Array]:
     """One optimizer update from accumulated numerator gradients and sums; returns the new params,
     optimizer state and the pre-clip gradient norm."""
-    grads = normalised_grads(grads_G, sums, experiment)
+    grads = normalised_grads(group_grads, sums, experiment)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)

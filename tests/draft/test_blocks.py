@@ -90,13 +90,13 @@ def test_block_arrays_hand_computed():
 
 def test_batched_rows_are_independent():
     rng = np.random.default_rng(2)
-    ids_BT = rng.integers(1, 50, size=(3, 12)).astype(np.int32)
-    mask_BT = (rng.random((3, 12)) < 0.8).astype(np.uint8)
-    anchors_BN = rng.integers(0, 11, size=(3, 4)).astype(np.int32)
-    keep_BN = rng.integers(0, 2, size=(3, 4)).astype(np.uint8)
-    batched = blocks.block_targets(ids_BT, mask_BT, anchors_BN, keep_BN, 7)
+    ids_BxT = rng.integers(1, 50, size=(3, 12)).astype(np.int32)
+    mask_BxT = (rng.random((3, 12)) < 0.8).astype(np.uint8)
+    anchors_BxN = rng.integers(0, 11, size=(3, 4)).astype(np.int32)
+    keep_BxN = rng.integers(0, 2, size=(3, 4)).astype(np.uint8)
+    batched = blocks.block_targets(ids_BxT, mask_BxT, anchors_BxN, keep_BxN, 7)
     for b in range(3):
-        single = _targets(ids_BT[b], mask_BT[b], anchors_BN[b], keep_BN[b])
+        single = _targets(ids_BxT[b], mask_BxT[b], anchors_BxN[b], keep_BxN[b])
         for got, want in zip(batched, single):
             assert got.shape == (3, 4, 7)
             np.testing.assert_array_equal(got[b], want)
@@ -104,8 +104,8 @@ def test_batched_rows_are_independent():
 
 def test_teacher_hidden_gathers_s_at_a_plus_i():
     rng = np.random.default_rng(3)
-    last_BTH = rng.normal(size=(2, 9, 4)).astype(np.float32)
-    anchors_BN = np.array([[0, 4], [3, 7]], np.int32)
-    got = np.asarray(blocks.teacher_hidden(jnp.asarray(last_BTH), jnp.asarray(anchors_BN), 7))
+    last_BxTxH = rng.normal(size=(2, 9, 4)).astype(np.float32)
+    anchors_BxN = np.array([[0, 4], [3, 7]], np.int32)
+    got = np.asarray(blocks.teacher_hidden(jnp.asarray(last_BxTxH), jnp.asarray(anchors_BxN), 7))
     for b, n, i in itertools.product(range(2), range(2), range(7)):
-        np.testing.assert_array_equal(got[b, n, i], last_BTH[b, min(anchors_BN[b, n] + i, 8)])
+        np.testing.assert_array_equal(got[b, n, i], last_BxTxH[b, min(anchors_BxN[b, n] + i, 8)])

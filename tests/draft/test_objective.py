@@ -7,7 +7,7 @@ import pytest
 
 from dspark_jax.draft import objective
 
-K = 7
+S = 7  # predictions per block
 
 
 def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask):
@@ -17,12 +17,12 @@ def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask
     teacher_logits = np.float64(teacher_hidden) @ np.float64(lm_head)
     keys = ("ce", "l1", "bce", "weight", "tau", "blocks", "conf_abs_err", "conf_bias", "conf_cumprod_bias")
     s = dict.fromkeys(keys, 0.0)
-    accept, accept_count = np.zeros(K), np.zeros(K)
+    accept, accept_count = np.zeros(S), np.zeros(S)
     for b in range(B):
         for n in range(N):
             prod, tau = 1.0, 1.0
             conf_prefix, accept_prefix = 1.0, 1.0  # cumprod_i(sigmoid(s_i) m_i), cumprod_i(a_i m_i)
-            for i in range(K):
+            for i in range(S):
                 p = np.exp(teacher_logits[b, n, i] - teacher_logits[b, n, i].max())
                 p /= p.sum()
                 q = np.exp(logits[b, n, i] - logits[b, n, i].max())
@@ -63,24 +63,24 @@ def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask
         },
         "valid_blocks": s["blocks"],
         "valid_predictions": preds,
-        **{f"accept_rate@{i}": accept[i] / accept_count[i] if accept_count[i] else 0.0 for i in range(K)},
+        **{f"accept_rate@{i}": accept[i] / accept_count[i] if accept_count[i] else 0.0 for i in range(S)},
     }
     return s | {"accept": accept, "accept_count": accept_count, "predictions": preds}, metrics
 
 
 def _mask_from_lengths(lengths_BxN):
     """Cumulative eval mask: the first `length` predictions of each block are valid."""
-    return (np.arange(K) < np.asarray(lengths_BxN)[..., None]).astype(np.float32)
+    return (np.arange(S) < np.asarray(lengths_BxN)[..., None]).astype(np.float32)
 
 
 def _random_problem(seed, B=2, N=5, H=16, V=40):
     rng = np.random.default_rng(seed)
     return {
-        "logits": rng.normal(0, 2.0, (B, N, K, V)).astype(np.float32),
-        "conf": rng.normal(0, 1.5, (B, N, K)).astype(np.float32),
-        "teacher_hidden": rng.normal(0, 1.0, (B, N, K, H)).astype(np.float32),
+        "logits": rng.normal(0, 2.0, (B, N, S, V)).astype(np.float32),
+        "conf": rng.normal(0, 1.5, (B, N, S)).astype(np.float32),
+        "teacher_hidden": rng.normal(0, 1.0, (B, N, S, H)).astype(np.float32),
         "lm_head": rng.normal(0, 0.5, (H, V)).astype(np.float32),
-        "labels": rng.integers(0, V, (B, N, K)).astype(np.int32),
+        "labels": rng.integers(0, V, (B, N, S)).astype(np.int32),
     }
 
 
@@ -169,15 +169,15 @@ def _dense_loss(params, h, pred, teacher_hidden, lm_head, labels, eval_mask):
     ce = -jnp.take_along_axis(log_q, labels[..., None], axis=-1)[..., 0]
     bce = -(a * jax.nn.log_sigmoid(s) + (1 - a) * jax.nn.log_sigmoid(-s))
     term = 0.1 * ce + 0.9 * jnp.abs(p - q).sum(-1) + bce
-    w = jnp.exp(-jnp.arange(K) / 4.0) * eval_mask
+    w = jnp.exp(-jnp.arange(S) / 4.0) * eval_mask
     return jnp.sum(w * term) / jnp.sum(w)
 
 
 def _toy_problem(seed, B=2, N=5, H=16, V=40):
     prob = _random_problem(seed, B, N, H, V)
     rng = np.random.default_rng(seed + 100)
-    prob["h"] = rng.normal(0, 1.0, (B, N, K, H)).astype(np.float32)
-    prob["pred"] = rng.integers(0, V, (B, N, K)).astype(np.int32)
+    prob["h"] = rng.normal(0, 1.0, (B, N, S, H)).astype(np.float32)
+    prob["pred"] = rng.integers(0, V, (B, N, S)).astype(np.int32)
     return prob, _toy_params(seed, H, V)
 
 
@@ -290,12 +290,12 @@ def test_chunked_memory_stays_far_below_dense():
         "bc": spec((), jnp.float32),
     }
     args = (
-        spec((B, N, K, H), jnp.bfloat16),  # h
-        spec((B, N, K), jnp.int32),  # pred
-        spec((B, N, K, H), jnp.bfloat16),  # teacher hidden
+        spec((B, N, S, H), jnp.bfloat16),  # h
+        spec((B, N, S), jnp.int32),  # pred
+        spec((B, N, S, H), jnp.bfloat16),  # teacher hidden
         spec((H, V), jnp.float32),  # lm_head
-        spec((B, N, K), jnp.int32),  # labels
-        spec((B, N, K), jnp.float32),  # eval mask
+        spec((B, N, S), jnp.int32),  # labels
+        spec((B, N, S), jnp.float32),  # eval mask
     )
 
     def temp_bytes(chunk):
@@ -307,7 +307,7 @@ def test_chunked_memory_stays_far_below_dense():
         return compiled.memory_analysis().temp_size_in_bytes
 
     chunk = 8
-    chunk_tensor = B * chunk * K * V * 4  # one f32 [B, C, K, V] tensor: 34 MB (dense [B, N, K, V]: 272 MB)
+    chunk_tensor = B * chunk * S * V * 4  # one f32 [B, C, S, V] tensor: 34 MB (dense [B, N, S, V]: 272 MB)
     chunked, dense = temp_bytes(chunk), temp_bytes(N)
     assert chunked < 6 * chunk_tensor, (chunked, chunk_tensor)
     assert dense > 6 * chunked, (chunked, dense)

@@ -15,7 +15,7 @@ from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
 from dspark_jax.draft.objective import metrics_from_sums
 from dspark_jax.experiments.baseline import draft_sums
 
-H, V, A, T, N, K = 32, 40, 3, 20, 4, 7
+H, V, A, T, N, S = 32, 40, 3, 20, 4, 7
 CFG = DraftConfig(
     hidden_size=H,
     vocab_size=V,
@@ -35,11 +35,11 @@ def _rms(x, scale):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS) * scale
 
 
-def _rope(x_QxNxD, pos_Q):
-    d = x_QxNxD.shape[-1]
-    ang = pos_Q[:, None].astype(np.float64) * (CFG.rope_theta ** (-np.arange(0, d, 2) / d))
+def _rope(x_NSxQxD, pos_NS):
+    d = x_NSxQxD.shape[-1]
+    ang = pos_NS[:, None].astype(np.float64) * (CFG.rope_theta ** (-np.arange(0, d, 2) / d))
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
-    x1, x2 = x_QxNxD[..., : d // 2], x_QxNxD[..., d // 2 :]
+    x1, x2 = x_NSxQxD[..., : d // 2], x_NSxQxD[..., d // 2 :]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
@@ -58,46 +58,46 @@ def _reference(p, emb, lm_head, mask_vec, batch):
     aux, last = (np.asarray(batch[k], np.float64) for k in ("aux_hidden", "last_hidden"))
     emb, lm_head, mask_vec = (np.asarray(v, np.float64) for v in (emb, lm_head, mask_vec))
     anchors, keep = np.asarray(batch["anchors"]), np.asarray(batch["block_keep"])
-    gsize = CFG.num_heads // CFG.num_kv_heads
+    heads_per_kv = CFG.num_heads // CFG.num_kv_heads
     rows = []  # (eval_mask_i, w_i, ce, l1, bce, overlap, sigmoid(s)) per prediction
     taus = []
     for b in range(ids.shape[0]):
         c = _rms(aux[b].reshape(T, A * H) @ p["aux_proj/kernel"], p["aux_norm/scale"])
         a_n = anchors[b]
         x = np.stack(
-            [np.concatenate([emb[ids[b, a]][None], np.repeat(mask_vec[None], K - 1, 0)]) for a in a_n]
+            [np.concatenate([emb[ids[b, a]][None], np.repeat(mask_vec[None], S - 1, 0)]) for a in a_n]
         )
-        x = x.reshape(N * K, H)
-        slot_pos = (a_n[:, None] + np.arange(K)).reshape(-1)
-        blk = np.repeat(np.arange(N), K)
+        x = x.reshape(N * S, H)
+        slot_pos = (a_n[:, None] + np.arange(S)).reshape(-1)
+        blk = np.repeat(np.arange(N), S)
         visible = np.concatenate([np.arange(T)[None, :] < a_n[blk][:, None], blk[:, None] == blk[None, :]], 1)
         for layer in range(CFG.num_layers):
             w = {k.split("/", 2)[2]: v for k, v in p.items() if k.startswith(f"layers/{layer}/")}
             hn = _rms(x, w["input_norm/scale"])
             q = _rope(
-                _rms(np.einsum("qh,hnd->qnd", hn, w["attn/q/kernel"]), w["attn/q_norm/scale"]), slot_pos
+                _rms(np.einsum("ih,hqd->iqd", hn, w["attn/q/kernel"]), w["attn/q_norm/scale"]), slot_pos
             )
 
             def kv(src, pos, w=w):
-                k_ = _rms(np.einsum("qh,hnd->qnd", src, w["attn/k/kernel"]), w["attn/k_norm/scale"])
-                return _rope(k_, pos), np.einsum("qh,hnd->qnd", src, w["attn/v/kernel"])
+                k_ = _rms(np.einsum("ih,hgd->igd", src, w["attn/k/kernel"]), w["attn/k_norm/scale"])
+                return _rope(k_, pos), np.einsum("ih,hgd->igd", src, w["attn/v/kernel"])
 
             (kc, vc), (kb, vb) = kv(c, np.arange(T)), kv(hn, slot_pos)
             keys, values = np.concatenate([kc, kb]), np.concatenate([vc, vb])
             out = np.zeros_like(q)
             for head in range(CFG.num_heads):
-                score = q[:, head] @ keys[:, head // gsize].T / np.sqrt(CFG.head_dim)
-                out[:, head] = _softmax(np.where(visible, score, -np.inf)) @ values[:, head // gsize]
-            x = x + np.einsum("qnd,ndh->qh", out, w["attn/o/kernel"])
+                score = q[:, head] @ keys[:, head // heads_per_kv].T / np.sqrt(CFG.head_dim)
+                out[:, head] = _softmax(np.where(visible, score, -np.inf)) @ values[:, head // heads_per_kv]
+            x = x + np.einsum("iqd,qdh->ih", out, w["attn/o/kernel"])
             hn = _rms(x, w["post_attn_norm/scale"])
             gate = hn @ w["mlp/gate/kernel"]
             x = x + (gate / (1 + np.exp(-gate)) * (hn @ w["mlp/up/kernel"])) @ w["mlp/down/kernel"]
-        h = _rms(x, p["final_norm/scale"]).reshape(N, K, H)
+        h = _rms(x, p["final_norm/scale"]).reshape(N, S, H)
         for n, a in enumerate(a_n):
-            em = np.cumprod([keep[b, n] and a + 1 + i < T and loss_mask[b, a + 1 + i] for i in range(K)])
+            em = np.cumprod([keep[b, n] and a + 1 + i < T and loss_mask[b, a + 1 + i] for i in range(S)])
             run = 1.0
             tau = 1.0
-            for i in range(K):
+            for i in range(S):
                 if not em[i]:
                     rows.append((0.0,) * 7)
                     continue
@@ -115,11 +115,11 @@ def _reference(p, emb, lm_head, mask_vec, batch):
                 tau += run
             if keep[b, n]:
                 taus.append(tau)
-    em, wt, ce, l1, bce, ov, sig = np.asarray(rows).reshape(-1, K, 7).transpose(2, 0, 1)
+    em, wt, ce, l1, bce, ov, sig = np.asarray(rows).reshape(-1, S, 7).transpose(2, 0, 1)
     out = {name: (wt * t).sum() / wt.sum() for name, t in (("ce", ce), ("l1", l1), ("bce", bce))}
     out["loss"] = 0.1 * out["ce"] + 0.9 * out["l1"] + out["bce"]
     out["tau_prob"] = np.mean(taus)
-    out |= {f"accept_rate@{i}": (ov * em)[:, i].sum() / em[:, i].sum() for i in range(K)}
+    out |= {f"accept_rate@{i}": (ov * em)[:, i].sum() / em[:, i].sum() for i in range(S)}
     w = wt * em  # DeepSpec weighs the confidence metrics like the loss
     out["confidence_abs_error"] = (np.abs(sig - ov) * w).sum() / w.sum()
     out["confidence_bias"] = ((sig - ov) * w).sum() / w.sum()

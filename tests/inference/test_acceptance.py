@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 from dspark_jax.inference.acceptance import accept_greedy, accept_sampling, sampling_probabilities
 from dspark_jax.target.generate import SamplingParams, sample
 
-V, K, N = 5, 3, 20_000
+V, S, B = 5, 3, 20_000  # vocabulary, drafts per cycle, rows of the Monte Carlo batch
 ANCHOR = 0
 P_MIN = 1e-3
 
@@ -21,16 +21,16 @@ def _one_hot_logits(tokens_BxT: np.ndarray, v: int) -> jnp.ndarray:
 
 
 def test_greedy_accepts_longest_matching_prefix():
-    target_BxK1 = np.array([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [6, 0, 7, 1, 2], [3, 3, 3, 3, 3]])
-    draft_BxK = np.array([[0, 2, 3, 4], [1, 2, 0, 4], [6, 0, 7, 1], [3, 3, 3, 2]])
-    num, nxt = jax.jit(accept_greedy)(jnp.asarray(draft_BxK), _one_hot_logits(target_BxK1, 8))
+    target_BxS1 = np.array([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [6, 0, 7, 1, 2], [3, 3, 3, 3, 3]])
+    draft_BxS = np.array([[0, 2, 3, 4], [1, 2, 0, 4], [6, 0, 7, 1], [3, 3, 3, 2]])
+    num, nxt = jax.jit(accept_greedy)(jnp.asarray(draft_BxS), _one_hot_logits(target_BxS1, 8))
     np.testing.assert_array_equal(num, [0, 2, 4, 3])
     np.testing.assert_array_equal(nxt, [1, 3, 2, 3])  # correction, correction, bonus, correction
     # Temperature 0 sampling is the greedy rule.
     num0, nxt0 = accept_sampling(
-        jnp.asarray(draft_BxK),
+        jnp.asarray(draft_BxS),
         jnp.zeros((4, 4, 8)),
-        _one_hot_logits(target_BxK1, 8),
+        _one_hot_logits(target_BxS1, 8),
         jax.random.key(0),
         SamplingParams(),
     )
@@ -57,9 +57,9 @@ def test_greedy_speculation_reproduces_target_greedy_decoding():
     assert cycles < len(reference) - 1  # some drafts were accepted
 
 
-def _nucleus_probs(logits_NxV: np.ndarray, params: SamplingParams) -> np.ndarray:
+def _nucleus_probs(logits_BxV: np.ndarray, params: SamplingParams) -> np.ndarray:
     """numpy reference of the sampled distribution: temperature, then keep the top-p nucleus (ties kept)."""
-    scaled = logits_NxV.astype(np.float64) / params.temperature
+    scaled = logits_BxV.astype(np.float64) / params.temperature
     probs = np.exp(scaled - scaled.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     out = np.zeros_like(probs)
@@ -72,22 +72,22 @@ def _nucleus_probs(logits_NxV: np.ndarray, params: SamplingParams) -> np.ndarray
 
 
 @functools.partial(jax.jit, static_argnames="params")
-def _cycle(anchor_N, rng, target_VxV, draft_VxV, params):
-    """One cycle per row: sample K drafts sequentially from the Markov draft, then accept."""
+def _cycle(anchor_B, rng, target_VxV, draft_VxV, params):
+    """One cycle per row: sample S drafts sequentially from the Markov draft, then accept."""
     draft_rng, accept_rng = jax.random.split(rng)
-    tokens, draft_logits = [anchor_N], []
-    for i in range(K):
+    tokens, draft_logits = [anchor_B], []
+    for i in range(S):
         draft_logits.append(draft_VxV[tokens[-1]])
         tokens.append(sample(draft_logits[-1], jax.random.fold_in(draft_rng, i), params))
-    seq_NxK1 = jnp.stack(tokens, axis=1)
-    num_N, next_N = accept_sampling(
-        seq_NxK1[:, 1:], jnp.stack(draft_logits, axis=1), target_VxV[seq_NxK1], accept_rng, params
+    seq_BxS1 = jnp.stack(tokens, axis=1)
+    num_B, next_B = accept_sampling(
+        seq_BxS1[:, 1:], jnp.stack(draft_logits, axis=1), target_VxV[seq_BxS1], accept_rng, params
     )
-    position_K1 = jnp.arange(K + 1)
-    drafts_NxK1 = jnp.pad(seq_NxK1[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
-    last_NxK1 = jnp.where(position_K1 == num_N[:, None], next_N[:, None], -1)
-    emitted_NxK1 = jnp.where(position_K1 < num_N[:, None], drafts_NxK1, last_NxK1)
-    return num_N, emitted_NxK1
+    position_S1 = jnp.arange(S + 1)
+    drafts_BxS1 = jnp.pad(seq_BxS1[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
+    last_BxS1 = jnp.where(position_S1 == num_B[:, None], next_B[:, None], -1)
+    emitted_BxS1 = jnp.where(position_S1 < num_B[:, None], drafts_BxS1, last_BxS1)
+    return num_B, emitted_BxS1
 
 
 def _chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
@@ -118,7 +118,7 @@ def test_sampling_is_lossless(case):
     draft_VxV = target_VxV if identical else rng.normal(scale=1.5, size=(V, V)).astype(np.float32)
     key1, key2 = jax.random.split(jax.random.key(7))
     num1, emitted1 = _cycle(
-        jnp.full((N,), ANCHOR), key1, jnp.asarray(target_VxV), jnp.asarray(draft_VxV), params
+        jnp.full((B,), ANCHOR), key1, jnp.asarray(target_VxV), jnp.asarray(draft_VxV), params
     )
     # A second cycle from the emitted token where the first emitted only one.
     _, emitted2 = _cycle(emitted1[:, 0], key2, jnp.asarray(target_VxV), jnp.asarray(draft_VxV), params)
@@ -137,17 +137,17 @@ def test_sampling_is_lossless(case):
 
     # The first draft is accepted with probability sum_x min(p_0(x), q_0(x)).
     accept_rate = np.minimum(p_first, _nucleus_probs(draft_VxV, params)[ANCHOR]).sum()
-    assert abs((num1 >= 1).mean() - accept_rate) < 5 * np.sqrt(accept_rate * (1 - accept_rate) / N) + 1e-6
+    assert abs((num1 >= 1).mean() - accept_rate) < 5 * np.sqrt(accept_rate * (1 - accept_rate) / B) + 1e-6
     if identical:
-        assert (num1 == K).mean() > 0.999
+        assert (num1 == S).mean() > 0.999
 
 
 def test_draft_token_outside_target_nucleus_is_always_rejected():
     params = SamplingParams(1.0, top_p=0.5)
-    target_BxK1xV = jnp.tile(jnp.array([3.0, 0.0, 0.0, 0.0, 0.0]), (1000, 3, 1))  # nucleus {0}
-    draft_BxKxV = jnp.tile(jnp.array([0.0, 0.0, 1.0, 0.0, 0.0]), (1000, 2, 1))  # q(2) = 0.4
-    assert float(sampling_probabilities(draft_BxKxV, params)[0, 0, 2]) > 0.3
-    num, nxt = accept_sampling(jnp.full((1000, 2), 2), draft_BxKxV, target_BxK1xV, jax.random.key(1), params)
+    target_BxS1xV = jnp.tile(jnp.array([3.0, 0.0, 0.0, 0.0, 0.0]), (1000, 3, 1))  # nucleus {0}
+    draft_BxSxV = jnp.tile(jnp.array([0.0, 0.0, 1.0, 0.0, 0.0]), (1000, 2, 1))  # q(2) = 0.4
+    assert float(sampling_probabilities(draft_BxSxV, params)[0, 0, 2]) > 0.3
+    num, nxt = accept_sampling(jnp.full((1000, 2), 2), draft_BxSxV, target_BxS1xV, jax.random.key(1), params)
     np.testing.assert_array_equal(num, 0)
     np.testing.assert_array_equal(nxt, 0)  # the residual max(0, p - q) is all on token 0
 
@@ -169,9 +169,9 @@ def test_zero_mass_residual_falls_back_to_target():
 
 def test_sampling_is_deterministic_per_rng():
     rng = np.random.default_rng(3)
-    draft_logits = jnp.asarray(rng.normal(size=(64, K, V)), jnp.float32)
-    target_logits = jnp.asarray(rng.normal(size=(64, K + 1, V)), jnp.float32)
-    draft = jnp.asarray(rng.integers(0, V, size=(64, K)))
+    draft_logits = jnp.asarray(rng.normal(size=(64, S, V)), jnp.float32)
+    target_logits = jnp.asarray(rng.normal(size=(64, S + 1, V)), jnp.float32)
+    draft = jnp.asarray(rng.integers(0, V, size=(64, S)))
     params = SamplingParams(0.8, 0.95)
     run = jax.jit(accept_sampling, static_argnames="params")
     a = run(draft, draft_logits, target_logits, jax.random.key(5), params)

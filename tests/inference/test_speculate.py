@@ -117,12 +117,12 @@ STAT_KEYS = (
 )
 
 
-def _forced(tokens_BxK):
+def _forced(tokens_BxS):
     """A proposer that returns fixed drafts (uniform draft logits; greedy acceptance ignores them)."""
 
     def select(draft, frozen, draft_out, state, rng, params):
-        b, k = tokens_BxK.shape
-        return engine.Proposals(tokens_BxK, jnp.zeros((b, k, V)), jnp.zeros((b, k)))
+        b, s = tokens_BxS.shape
+        return engine.Proposals(tokens_BxS, jnp.zeros((b, s, V)), jnp.zeros((b, s)))
 
     return engine.Proposer(lambda draft, frozen, state: (), select)
 
@@ -163,8 +163,8 @@ def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
         fresh_cache = KVCache.zeros(target.cfg, 1, 64, target.dtype)
         fresh = target(jnp.asarray([processed]), cache=fresh_cache, aux_layer_ids=AUX)
         for got, want in zip(
-            state.target_cache.k_BxSxKxD + state.target_cache.v_BxSxKxD,
-            fresh.cache.k_BxSxKxD + fresh.cache.v_BxSxKxD,
+            state.target_cache.k_BxTxGxD + state.target_cache.v_BxTxGxD,
+            fresh.cache.k_BxTxGxD + fresh.cache.v_BxTxGxD,
         ):
             np.testing.assert_allclose(np.asarray(got[0, :end]), np.asarray(want[0, :end]), atol=1e-5)
         fresh_kv = draft.context_kv(draft.context(fresh.aux_BxTxAxH))

@@ -8,19 +8,19 @@ import pytest
 from dspark_jax.kernels.block_attention import BlockMemory, block_attention
 
 
-def _inputs(seed, b=2, n=5, s=7, t=23, h=4, kv=2, d=8, m=0):
+def _inputs(seed, b=2, n=5, s=7, t=23, heads=4, kv_heads=2, d=8, m=0):
     keys = jax.random.split(jax.random.key(seed), 8)
-    q = jax.random.normal(keys[0], (b, n, s, h, d))
-    k_ctx = jax.random.normal(keys[1], (b, t, kv, d))
-    v_ctx = jax.random.normal(keys[2], (b, t, kv, d))
-    k_blk = jax.random.normal(keys[3], (b, n, s, kv, d))
-    v_blk = jax.random.normal(keys[4], (b, n, s, kv, d))
+    q = jax.random.normal(keys[0], (b, n, s, heads, d))
+    k_ctx = jax.random.normal(keys[1], (b, t, kv_heads, d))
+    v_ctx = jax.random.normal(keys[2], (b, t, kv_heads, d))
+    k_blk = jax.random.normal(keys[3], (b, n, s, kv_heads, d))
+    v_blk = jax.random.normal(keys[4], (b, n, s, kv_heads, d))
     anchors = jnp.sort(jax.random.randint(keys[5], (b, n), 0, t), axis=1)  # includes anchor 0: no context
     memory = None
     if m:
         memory = BlockMemory(
-            jax.random.normal(keys[6], (b, n, m, kv, d)),
-            jax.random.normal(keys[7], (b, n, m, kv, d)),
+            jax.random.normal(keys[6], (b, n, m, kv_heads, d)),
+            jax.random.normal(keys[7], (b, n, m, kv_heads, d)),
             jax.random.bernoulli(keys[6], 0.6, (b, n, m)),
         )
     return (q, k_ctx, v_ctx, k_blk, v_blk, anchors), memory
@@ -47,7 +47,7 @@ def test_gradients_match_reference():
         return jnp.sum(out * cot)
 
     diff = (0, 1, 2, 3, 4, 5, 6)
-    inputs = (*args[:5], memory.k_BxNxMxKxD, memory.v_BxNxMxKxD)
+    inputs = (*args[:5], memory.k_BxNxMxGxD, memory.v_BxNxMxGxD)
     want = jax.grad(lambda *x: loss("reference", *x), argnums=diff)(*inputs)
     got = jax.grad(lambda *x: loss("xla", *x), argnums=diff)(*inputs)
     for g, w in zip(got, want):
@@ -70,14 +70,14 @@ def test_visibility_rule():
 
 
 def test_memory_is_bounded_at_paper_shapes():
-    """One micro-batch row at the paper's shapes: the chunked version never holds N*S x T scores per head."""
-    b, n, s, t, h, kv, d = 1, 512, 7, 4096, 24, 2, 256
-    shapes = [(b, n, s, h, d), (b, t, kv, d), (b, t, kv, d), (b, n, s, kv, d), (b, n, s, kv, d)]
+    """One micro-batch row at the paper's shapes: the chunked version never holds NS x T scores per head."""
+    b, n, s, t, q, g, d = 1, 512, 7, 4096, 24, 2, 256  # sizes in the legend's letters
+    shapes = [(b, n, s, q, d), (b, t, g, d), (b, t, g, d), (b, n, s, g, d), (b, n, s, g, d)]
     args = [jax.ShapeDtypeStruct(x, jnp.bfloat16) for x in shapes] + [jax.ShapeDtypeStruct((b, n), jnp.int32)]
 
     def f(*a):
         return jnp.sum(block_attention(*a, implementation="xla", anchor_chunk=16).astype(jnp.float32))
 
     compiled = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*args).compile()
-    dense_scores = b * h * n * s * t * 4
+    dense_scores = b * q * n * s * t * 4
     assert compiled.memory_analysis().temp_size_in_bytes < dense_scores / 2  # not even one dense score tensor

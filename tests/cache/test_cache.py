@@ -198,7 +198,7 @@ def test_truncated_and_deleted_chunks_detected(tmp_path):
     with pytest.raises(cache.CacheCorruptError, match="shard 0: cannot read last_hidden"):
         cache.verify(str(tmp_path))
     f.unlink()  # a missing chunk is a read error, never a block of zeros
-    with pytest.raises(cache.CacheCorruptError, match="shard 0: cannot read last_hidden .* is missing"):
+    with pytest.raises(cache.CacheCorruptError, match=r"shard 0: cannot read last_hidden .* is missing"):
         cache.verify(str(tmp_path))
     with pytest.raises(cache.CacheCorruptError, match=r"shard 0: sample \d+ .* last_hidden .* is missing"):
         source = cache.CacheDataSource(str(tmp_path))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import time
@@ -29,6 +31,7 @@ from tqdm import tqdm
 
 from dspark_jax.cache.features import FeatureExtractor
 from dspark_jax.cache.format import CacheSpec, estimate_bytes
+from dspark_jax.cache.lock import exclusive, lock_file
 from dspark_jax.cache.writer import ShardWriter, create_or_open, finalize, read_progress
 from dspark_jax.data.conversations import GSM8K_VAL256, Conversation, Message, first_turns, load_conversations
 from dspark_jax.data.regenerate import (
@@ -240,14 +243,48 @@ def cache_root(config) -> str:
     return cache_dir if is_url(cache_dir) else str(Path(cache_dir))
 
 
+def regen_settings(config, split: str) -> dict[str, Any]:
+    """Every setting that determines a split's regenerated replies (besides the target)."""
+    d = config.data
+    return {
+        "split": split,
+        "source": d.train_source if split == "train" else (d.val_source or str(GSM8K_VAL256.name)),
+        "limit": d.train_limit if split == "train" else d.val_limit,
+        "max_new_tokens": d.regen_max_new_tokens,
+        "max_prompt_tokens": d.regen_max_prompt_tokens,
+        "max_turns": d.regen_max_turns,
+        "batch_size": d.regen_batch_size,
+        "seed": config.seed,
+        "target_dtypes": [config.target.param_dtype, config.target.dtype],
+    }
+
+
+def cache_settings(config, split: str) -> dict[str, Any]:
+    """Every setting that determines a split's cache content (besides the target)."""
+    d = config.data
+    return {
+        **regen_settings(config, split),
+        "max_length": d.max_length,
+        "aux_layer_ids": list(d.aux_layer_ids),
+        "num_shards": d.num_shards,
+    }
+
+
+def settings_key(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+
+
 def cache_path(config, target_fingerprint: str, split: str) -> str:
-    """The cache of one split ('train' or 'val') for a config and target."""
-    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_cache")
+    """The cache of one split ('train' or 'val') for a config and target, keyed on every setting that
+    determines its content: changing one builds a new cache instead of reusing a stale one."""
+    key = settings_key(cache_settings(config, split))
+    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_cache-{key}")
 
 
 def replies_path(config, target_fingerprint: str, split: str) -> str:
-    """The regenerated replies (JSONL) of one split for a config and target."""
-    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_replies.jsonl")
+    """The regenerated replies (JSONL) of one split for a config and target, keyed like `cache_path`."""
+    key = settings_key(regen_settings(config, split))
+    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_replies-{key}.jsonl")
 
 
 def prepare_split(
@@ -271,64 +308,71 @@ def prepare_split(
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     data = config.data
     max_turns = check_max_turns(data.regen_max_turns)  # before the (possibly slow) source is read
+    path = cache_path(config, target.fingerprint, split)
+    replies = replies_path(config, target.fingerprint, split)
+    locks = Path(local_cache_root(config), "locks")
     source = data.train_source if split == "train" else (data.val_source or str(GSM8K_VAL256))
     limit = (data.train_limit if split == "train" else data.val_limit) or None
     loaded = load_conversations(source, limit=limit)
     conversations = cut_turns(loaded.conversations, max_turns)
-    replies = replies_path(config, target.fingerprint, split)
-    regenerate(
-        target,
-        conversations,
-        replies,
-        max_new_tokens=data.regen_max_new_tokens,
-        seed=config.seed,
-        batch_size=data.regen_batch_size,
-        max_prompt_tokens=data.regen_max_prompt_tokens,
-        mesh=mesh,
-        staging_dir=Path(local_cache_root(config), "staging"),
-    )
-    records = read_output(replies)
-    if len(records) != len(conversations):
-        raise ValueError(f"{replies}: {len(records)} lines for {len(conversations)} conversations")
-    kept = [r for r in records if "messages" in r]
-    samples = tokenize_all(target, [r["messages"] for r in kept], data.max_length, [r["index"] for r in kept])
-    dropped = count_dropped(records, samples)
-    if sum(dropped.values()):
-        logger.warning(
-            "%s: %d of %d conversations dropped: %s",
-            split,
-            sum(dropped.values()),
-            len(conversations),
-            {reason: n for reason, n in dropped.items() if n},
+    # One regenerating process per replies file, one builder per set of shards.
+    with exclusive(lock_file(replies, "replies", locks), f"{split} replies {replies}"):
+        regenerate(
+            target,
+            conversations,
+            replies,
+            max_new_tokens=data.regen_max_new_tokens,
+            seed=config.seed,
+            batch_size=data.regen_batch_size,
+            max_prompt_tokens=data.regen_max_prompt_tokens,
+            mesh=mesh,
+            staging_dir=Path(local_cache_root(config), "staging"),
         )
-    spec = cache_spec(target, data.aux_layer_ids, data.num_shards)
-    path = cache_path(config, target.fingerprint, split)
-    report = {
-        "split": split,
-        "cache": path,
-        "replies": replies,
-        "conversations": len(conversations),
-        "source_skipped": dict(loaded.skipped),
-        "cut_to_max_turns": sum(len(a) != len(b) for a, b in zip(loaded.conversations, conversations)),
-        "regen_truncated": sum("truncated" in r for r in records),
-        "samples": len(samples.input_ids),
-        "tokens": samples.num_tokens,
-        "dropped": dropped,
-        "dropped_total": sum(dropped.values()),
-        "truncated": samples.truncated,
-        "projected_bytes": projected_bytes(samples, spec),
-    }
-    if not dry_run:
-        report["manifest_complete"] = (
-            build_cache(
-                path,
-                target,
-                samples,
-                spec,
-                process_index=process_index,
-                process_count=process_count,
-                mesh=mesh,
+    builder = f"{split}-p{process_index}of{process_count}"
+    with exclusive(lock_file(path, builder, locks), f"{split} cache {path} (builder {builder})"):
+        records = read_output(replies)
+        if len(records) != len(conversations):
+            raise ValueError(f"{replies}: {len(records)} lines for {len(conversations)} conversations")
+        kept = [r for r in records if "messages" in r]
+        samples = tokenize_all(
+            target, [r["messages"] for r in kept], data.max_length, [r["index"] for r in kept]
+        )
+        dropped = count_dropped(records, samples)
+        if sum(dropped.values()):
+            logger.warning(
+                "%s: %d of %d conversations dropped: %s",
+                split,
+                sum(dropped.values()),
+                len(conversations),
+                {reason: n for reason, n in dropped.items() if n},
             )
-            is not None
-        )
-    return report
+        spec = cache_spec(target, data.aux_layer_ids, data.num_shards)
+        report = {
+            "split": split,
+            "cache": path,
+            "replies": replies,
+            "conversations": len(conversations),
+            "source_skipped": dict(loaded.skipped),
+            "cut_to_max_turns": sum(len(a) != len(b) for a, b in zip(loaded.conversations, conversations)),
+            "regen_truncated": sum("truncated" in r for r in records),
+            "samples": len(samples.input_ids),
+            "tokens": samples.num_tokens,
+            "dropped": dropped,
+            "dropped_total": sum(dropped.values()),
+            "truncated": samples.truncated,
+            "projected_bytes": projected_bytes(samples, spec),
+        }
+        if not dry_run:
+            report["manifest_complete"] = (
+                build_cache(
+                    path,
+                    target,
+                    samples,
+                    spec,
+                    process_index=process_index,
+                    process_count=process_count,
+                    mesh=mesh,
+                )
+                is not None
+            )
+        return report

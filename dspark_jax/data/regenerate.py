@@ -121,10 +121,21 @@ def staging_path(url: str, staging_dir: str | Path | None = None) -> Path:
 
 
 def read_output(output_path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a regeneration output (a local path or a URL), one per line."""
+    """The records of a regeneration output (a local path or a URL), one per line, line `i` holding
+    conversation `i`: a duplicated, missing or out-of-order index (two writers?) is an error."""
     local = local_path(output_path)
     text = (local or remote_path(os.fspath(output_path))).read_text(encoding="utf-8")
-    return [json.loads(line) for line in text.splitlines()]
+    records = []
+    for number, line in enumerate(text.splitlines()):
+        record = json.loads(line)
+        if not isinstance(record, dict) or record.get("index") != number:
+            found = record.get("index") if isinstance(record, dict) else None
+            raise ValueError(
+                f"{output_path}:{number + 1}: holds conversation {found}, expected {number} (written by two "
+                "processes at once?); delete the file to regenerate it"
+            )
+        records.append(record)
+    return records
 
 
 def skip_reason(record: Mapping[str, Any]) -> str:

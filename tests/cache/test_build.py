@@ -14,10 +14,13 @@ from dspark_jax.cache.build import (
     DROP_REASONS,
     TokenizedSamples,
     build_cache,
+    cache_settings,
     cache_spec,
     count_dropped,
     cut_turns,
     prepare_split,
+    regen_settings,
+    settings_key,
     tokenize_all,
 )
 from dspark_jax.target import target_from_config
@@ -171,8 +174,10 @@ def test_prepare_split_cuts_turns_counts_drops_and_keeps_gs_paths(target, mesh1,
     with fake_gcs(tmp_path / "gcs"):
         report = prepare_split(config, "train", target, mesh1, dry_run=True)
     root = f"gs://bucket/dspark/{target.fingerprint[:12]}"
-    assert (report["cache"], report["replies"]) == (f"{root}/train_cache", f"{root}/train_replies.jsonl")
-    replies = tmp_path / "gcs" / "bucket" / "dspark" / target.fingerprint[:12] / "train_replies.jsonl"
+    cache_dir = f"train_cache-{settings_key(cache_settings(config, 'train'))}"
+    replies_file = f"train_replies-{settings_key(regen_settings(config, 'train'))}.jsonl"
+    assert (report["cache"], report["replies"]) == (f"{root}/{cache_dir}", f"{root}/{replies_file}")
+    replies = tmp_path / "gcs" / "bucket" / "dspark" / target.fingerprint[:12] / replies_file
     lines = [json.loads(line) for line in replies.read_text(encoding="utf-8").splitlines()]
     assert [m["role"] for m in lines[0]["messages"]] == ["user", "assistant"]  # cut to one user turn
     assert lines[0]["messages"][0] == user("Q1")

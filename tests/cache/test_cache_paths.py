@@ -6,7 +6,14 @@ import pytest
 
 from configs import base
 from dspark_jax import cache
-from dspark_jax.cache.build import cache_path, cache_root, replies_path
+from dspark_jax.cache.build import (
+    cache_path,
+    cache_root,
+    cache_settings,
+    regen_settings,
+    replies_path,
+    settings_key,
+)
 from tests.cache.test_cache import SPEC, assert_same_sample, build, make_samples
 
 FINGERPRINT = "0123456789abcdef0123456789abcdef"
@@ -18,42 +25,46 @@ def config(cache_dir: str = ""):
     return c
 
 
+# Directory names of the smoke preset's caches and replies, keyed on their content settings.
+TRAIN = f"train_cache-{settings_key(cache_settings(config(), 'train'))}"
+VAL = f"val_cache-{settings_key(cache_settings(config(), 'val'))}"
+REPLIES = f"train_replies-{settings_key(regen_settings(config(), 'train'))}.jsonl"
+
+
 def test_gs_cache_dir_is_kept():
     got = cache_path(config("gs://bucket/dspark"), FINGERPRINT, "train")
-    assert got == "gs://bucket/dspark/0123456789ab/train_cache"
+    assert got == f"gs://bucket/dspark/0123456789ab/{TRAIN}"
     assert "gs://" in got and "gs:/b" not in got
     assert cache_root(config("gs://bucket/dspark")) == "gs://bucket/dspark"
     assert (
         cache_path(config("gs://bucket/dspark/"), FINGERPRINT, "val")
-        == "gs://bucket/dspark/0123456789ab/val_cache"
+        == f"gs://bucket/dspark/0123456789ab/{VAL}"
     )
     assert replies_path(config("gs://bucket/dspark"), FINGERPRINT, "train") == (
-        "gs://bucket/dspark/0123456789ab/train_replies.jsonl"
+        f"gs://bucket/dspark/0123456789ab/{REPLIES}"
     )
 
 
 @pytest.mark.parametrize("cache_dir", ["file:///tmp/dspark/caches", "memory://dspark", "memory://"])
 def test_url_cache_dirs_round_trip(cache_dir):
     got = cache_path(config(cache_dir), FINGERPRINT, "train")
-    assert got.startswith(cache_dir) and got.endswith("0123456789ab/train_cache")
-    assert got == (cache_dir if cache_dir.endswith("://") else cache_dir + "/") + "0123456789ab/train_cache"
+    assert got.startswith(cache_dir) and got.endswith(f"0123456789ab/{TRAIN}")
+    assert got == (cache_dir if cache_dir.endswith("://") else cache_dir + "/") + f"0123456789ab/{TRAIN}"
 
 
 def test_local_paths_unchanged(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "env"))
-    assert cache_path(config(), FINGERPRINT, "val") == str(
-        tmp_path / "env" / "smoke" / "0123456789ab" / "val_cache"
-    )
+    assert cache_path(config(), FINGERPRINT, "val") == str(tmp_path / "env" / "smoke" / "0123456789ab" / VAL)
     monkeypatch.delenv("DSPARK_JAX_CACHE")
     assert cache_path(config(), FINGERPRINT, "val") == str(
-        Path.home() / ".cache" / "dspark_jax" / "smoke" / "0123456789ab" / "val_cache"
+        Path.home() / ".cache" / "dspark_jax" / "smoke" / "0123456789ab" / VAL
     )
     for cache_dir in ("relative/dir/", "./here", str(tmp_path) + "//x"):
         assert cache_path(config(cache_dir), FINGERPRINT, "train") == str(
-            Path(cache_dir) / "0123456789ab" / "train_cache"
+            Path(cache_dir) / "0123456789ab" / TRAIN
         )
         assert replies_path(config(cache_dir), FINGERPRINT, "train") == str(
-            Path(cache_dir) / "0123456789ab" / "train_replies.jsonl"
+            Path(cache_dir) / "0123456789ab" / REPLIES
         )
 
 
@@ -70,7 +81,7 @@ def write_and_read_back(path: str) -> None:
 def test_cache_written_to_local_cache_path_reads_back(tmp_path):
     path = cache_path(config(str(tmp_path / "caches")), FINGERPRINT, "train")
     write_and_read_back(path)
-    assert (tmp_path / "caches" / "0123456789ab" / "train_cache" / "manifest.json").is_file()
+    assert (tmp_path / "caches" / "0123456789ab" / TRAIN / "manifest.json").is_file()
 
 
 def test_cache_written_to_file_url_cache_path_reads_back(tmp_path, monkeypatch):
@@ -78,15 +89,36 @@ def test_cache_written_to_file_url_cache_path_reads_back(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "cwd")
     root = tmp_path / "caches"
     path = cache_path(config(root.as_uri()), FINGERPRINT, "train")
-    assert path == root.as_uri() + "/0123456789ab/train_cache"
+    assert path == root.as_uri() + f"/0123456789ab/{TRAIN}"
     write_and_read_back(path)
     assert not (tmp_path / "cwd" / "file:").exists(), "the cache went to ./file:, not to the URL's path"
-    assert (root / "0123456789ab" / "train_cache" / "manifest.json").is_file()
+    assert (root / "0123456789ab" / TRAIN / "manifest.json").is_file()
 
 
 def test_cache_written_to_memory_url_cache_path_reads_back(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = cache_path(config("memory://dspark"), FINGERPRINT, "train")
-    assert path == "memory://dspark/0123456789ab/train_cache"
+    assert path == f"memory://dspark/0123456789ab/{TRAIN}"
     write_and_read_back(path)
     assert not (tmp_path / "memory:").exists(), "the cache went to ./memory:, not to memory"
+
+
+def test_every_content_setting_keys_the_cache():
+    """Another source, limit, length or layer set gives another cache, never a stale one."""
+    base_path = cache_path(config(), FINGERPRINT, "train")
+    for key, value in [
+        ("train_limit", 50),
+        ("train_source", "/data/other.jsonl"),
+        ("max_length", 128),
+        ("aux_layer_ids", (0, 1, 2)),
+        ("regen_max_new_tokens", 9),
+        ("regen_max_turns", 1),
+    ]:
+        changed = config()
+        setattr(changed.data, key, value)
+        assert cache_path(changed, FINGERPRINT, "train") != base_path, key
+    changed = config()
+    changed.train.peak_lr = 1.0  # not a data setting
+    assert cache_path(changed, FINGERPRINT, "train") == base_path
+    changed.data.max_length = 128  # the replies do not depend on the cache's max length
+    assert replies_path(changed, FINGERPRINT, "train") == replies_path(config(), FINGERPRINT, "train")

@@ -223,3 +223,15 @@ def test_local_and_remote_paths():
     with pytest.raises(ValueError, match="unsupported URL scheme"):
         remote_path("memory://x/out.jsonl")
     assert skip_reason({"index": 0, "skipped": "no user turn"}) == NO_USER_TURN
+
+
+def test_interleaved_replies_are_refused(tmp_path):
+    """Two writers appending to one replies file leave indices 0, 1, 0, 1: reading it is a clear error."""
+    from dspark_jax.data.regenerate import read_output
+
+    path = tmp_path / "replies.jsonl"
+    path.write_text("".join(json.dumps({"index": i, "messages": []}) + "\n" for i in (0, 1, 0, 1)))
+    with pytest.raises(
+        ValueError, match=r"replies.jsonl:3: holds conversation 0, expected 2 \(written by two"
+    ):
+        read_output(path)

@@ -13,8 +13,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import baseline
-from dspark_jax import sharding
+from dspark_jax import config_lib, sharding
 from dspark_jax.train import components
+from dspark_jax.train.checkpoint import Checkpointer
 from dspark_jax.train.loop import NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,8 +96,9 @@ def test_sigterm_saves_a_checkpoint_before_exit(cache_dir, tmp_path):
     _wait_for(tmp_path / "checkpoints" / "2", proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert proc.returncode == 75, stderr[-3000:]  # not 0: the run did not finish
+    assert f"preempted at step {steps[-1]}: checkpoint saved" in stderr
     logged = [m["step"] for m in _metrics(tmp_path) if "train/loss" in m]
     assert steps[-1] == logged[-1] >= 2  # the step it stopped at is saved, nothing later was logged
 
@@ -115,6 +117,48 @@ def test_nonfinite_loss_stops_naming_the_step(cache_dir, tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"at step [2-4]"):
         train(config, tmp_path)
     assert not (tmp_path / "checkpoints" / "4").exists()
+
+
+def test_resume_with_other_training_settings_is_refused(cache_dir, tmp_path):
+    train(_config(cache_dir, stop_step=2, total_steps=4, eval_every=0), tmp_path)
+    with pytest.raises(
+        config_lib.UsageError, match=r"train\.peak_lr \(run 0\.0003, now 0\.001\).*--allow_changed"
+    ):
+        train(_config(cache_dir, stop_step=4, total_steps=4, eval_every=0, peak_lr=1e-3), tmp_path)
+    with pytest.raises(config_lib.UsageError, match=r"train\.total_steps"):
+        train(_config(cache_dir, stop_step=4, total_steps=8, eval_every=0), tmp_path)
+    trained = lambda: [m["step"] for m in _metrics(tmp_path) if "train/loss" in m]
+    assert trained() == [1, 2]  # nothing ran
+    # stop_step may change; another key only when named explicitly.
+    train(_config(cache_dir, stop_step=3, total_steps=4, eval_every=0), tmp_path)
+    config = _config(cache_dir, stop_step=4, total_steps=4, eval_every=0, peak_lr=1e-3)
+    train(config, tmp_path, allow_changed=["train.peak_lr"])
+    assert trained() == [1, 2, 3, 4]
+
+
+def test_a_kill_right_after_a_save_keeps_that_steps_eval(cache_dir, tmp_path, monkeypatch):
+    """The eval line of a checkpoint step is written before the checkpoint: a kill after the save loses
+    nothing, and the resumed run does not log it twice."""
+
+    class Killed(BaseException):
+        pass
+
+    original = Checkpointer.save
+
+    def save_then_die(self, step, *args, **kwargs):
+        saved = original(self, step, *args, **kwargs)
+        if step == 2:
+            raise Killed
+        return saved
+
+    settings = dict(stop_step=4, total_steps=4, checkpoint_every=2, eval_every=2)
+    monkeypatch.setattr(Checkpointer, "save", save_then_die)
+    with pytest.raises(Killed):
+        train(_config(cache_dir, **settings), tmp_path)
+    monkeypatch.setattr(Checkpointer, "save", original)
+    train(_config(cache_dir, **settings), tmp_path)
+    evals = [m["step"] for m in _metrics(tmp_path) if "eval/tau_prob" in m]
+    assert evals == [2, 4]
 
 
 def test_config_errors_name_the_key(cache_dir, tmp_path):

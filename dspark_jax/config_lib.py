@@ -79,6 +79,21 @@ def validate(config) -> None:
         raise UsageError(f"train.stop_step={t.stop_step} must be in [1, train.total_steps={t.total_steps}]")
     if len(config.data.aux_layer_ids) < 1:
         raise UsageError("data.aux_layer_ids must name at least one target layer")
+    d = config.data
+    for key in (
+        "max_length",
+        "num_shards",
+        "regen_max_new_tokens",
+        "regen_max_prompt_tokens",
+        "regen_batch_size",
+    ):
+        if d[key] < 1:
+            raise UsageError(f"data.{key}={d[key]} must be >= 1")
+    if not isinstance(d.regen_max_turns, int) or d.regen_max_turns < 1:
+        raise UsageError(f"data.regen_max_turns={d.regen_max_turns!r} must be an integer >= 1")
+    for key in ("num_anchors", "global_batch", "grad_accum", "total_steps"):
+        if t[key] < 1:
+            raise UsageError(f"train.{key}={t[key]} must be >= 1")
     for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "anchor_chunk"):
         if config.draft[key] < 1:
             raise UsageError(f"draft.{key}={config.draft[key]} must be >= 1")

@@ -45,7 +45,7 @@ def run(tmp_path, module, *args):
         ),
         ("evaluate", ["--checkpoint=nowhere"], 1, r"checkpoint path not found: nowhere"),
         ("check_memory", [SMOKE, "--config.draft.num_heads=3"], 2, r"draft.num_heads=3 is not a multiple"),
-        ("build_cache", [SMOKE, "--config.data.regen_max_turns=0"], 1, r"data.regen_max_turns"),
+        ("build_cache", [SMOKE, "--config.data.regen_max_turns=0"], 2, r"data.regen_max_turns=0 must be"),
     ],
 )
 def test_one_line_error_before_any_work(tmp_path, module, args, status, message):

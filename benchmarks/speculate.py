@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common import load_config_module
-from dspark_jax import experiments, sharding
+from dspark_jax import sharding
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
-from dspark_jax.inference.decoder import SpecReport, SpeculativeDecoder
+from dspark_jax.inference.decoder import SpecReport
 from dspark_jax.inference.timing import time_cycle_phases
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import prompt_ids
-from dspark_jax.target.generate import GenerationStats, Generator, SamplingParams
+from dspark_jax.target.generate import GenerationStats, SamplingParams
 from dspark_jax.train import components
 
 
@@ -41,29 +41,18 @@ def main():
         config = load_config_module(args.config).get_config("demo")
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
-    side = components.side_from_target(target, mesh)
     if args.checkpoint:
-        graphdef, params, rest, _ = components.restore_draft(config, target.config, mesh, args.checkpoint)
+        draft = components.restore_draft(config, target.config, mesh, args.checkpoint)[:3]
     else:
-        graphdef, params, rest = components.init_draft(config, target.config, mesh)
+        draft = components.init_draft(config, target.config, mesh)
     conversations = read_turns_jsonl(GSM8K_VAL256)[: args.prompts]
     prompts = [
         prompt_ids(target.tokenizer, target.chat_template, [{"role": "user", "content": c[0]}]).tolist()
         for c in conversations
     ]
     sampling = SamplingParams(temperature=args.temperature)
-    kw = dict(eos_ids=target.eos_ids, pad_id=target.tokenizer.pad_id, batch_size=args.concurrency, mesh=mesh)
-    decoder = SpeculativeDecoder(
-        target.model,
-        graphdef,
-        params,
-        rest,
-        side.frozen,
-        proposer=experiments.get(config.experiment).proposer,
-        aux_layer_ids=config.data.aux_layer_ids,
-        **kw,
-    )
-    plain = Generator(target.model, padding="right", **kw)
+    decoder = components.speculative_decoder(config, target, draft, batch_size=args.concurrency, mesh=mesh)
+    plain = decoder.target_only()
     for runner in (decoder, plain):  # warm up: compile every prompt bucket
         runner.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
     decoder.report, plain.stats = SpecReport(), GenerationStats()  # keep the compiled programs, reset counts

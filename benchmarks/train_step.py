@@ -55,12 +55,7 @@ def time_step(config_module, preset: str, steps: int) -> dict[str, float]:
     )
     micro_rows = config.train.global_batch // config.train.grad_accum
     host_batch = batch_lib.synthetic(
-        micro_rows,
-        config.data.max_length,
-        len(config.data.aux_layer_ids),
-        target.hidden_size,
-        config.train.num_anchors,
-        target.vocab_size,
+        micro_rows, batch_lib.Dims.of(config, target.hidden_size), target.vocab_size
     )
     batch = to_global(batch_lib.device_fields(host_batch), mesh)
     micro = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=experiment))

@@ -21,13 +21,12 @@ import json
 from absl import flags
 from etils import epath
 
-from dspark_jax import experiments, sharding
+from dspark_jax import sharding
 from dspark_jax.cli import SamplingFlags, check_flags, checkpoint_config, define_config_flag, run
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
-from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.inference.timing import time_cycle_phases
 from dspark_jax.target import target_from_config
-from dspark_jax.target.generate import Generator, generate_replies
+from dspark_jax.target.generate import generate_replies
 from dspark_jax.train import components
 from dspark_jax.train.evaluation import evaluate_checkpoint
 
@@ -54,25 +53,15 @@ def main(argv):
     sampling, seed = _SAMPLING.resolve(config)
     mesh = sharding.make_mesh(config.mesh.to_dict())
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
-    side = components.side_from_target(target, mesh)
-    graphdef, params, rest, step = components.restore_draft(config, target.config, mesh, _CHECKPOINT.value)
+    draft = components.restore_draft(config, target.config, mesh, _CHECKPOINT.value)
+    step = draft[3]
     conversations = read_turns_jsonl(_INPUT.value)[: _LIMIT.value or None]
-    kw = dict(
-        eos_ids=target.eos_ids, pad_id=target.tokenizer.pad_id, batch_size=_CONCURRENCY.value, mesh=mesh
-    )
-    decoder = SpeculativeDecoder(
-        target.model,
-        graphdef,
-        params,
-        rest,
-        side.frozen,
-        proposer=experiments.get(config.experiment).proposer,
-        aux_layer_ids=config.data.aux_layer_ids,
-        **kw,
+    decoder = components.speculative_decoder(
+        config, target, draft[:3], batch_size=_CONCURRENCY.value, mesh=mesh
     )
     reply_kw = dict(max_new_tokens=_MAX_NEW.value, params=sampling, seed=seed)
     spec = generate_replies(decoder, target.tokenizer, target.chat_template, conversations, **reply_kw)
-    baseline = Generator(target.model, padding="right", **kw)
+    baseline = decoder.target_only()
     plain = generate_replies(baseline, target.tokenizer, target.chat_template, conversations, **reply_kw)
     first_prompts = [r[1][0] for r in plain]
     phases = time_cycle_phases(

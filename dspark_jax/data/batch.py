@@ -42,17 +42,32 @@ DEVICE_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.device)
 TOKEN_FIELDS: dict[str, np.dtype] = {f.name: f.dtype for f in FIELDS if f.dims.startswith("BT")}
 
 
-def shapes(rows: int, max_length: int, num_aux: int, hidden_size: int, num_anchors: int) -> dict[str, tuple]:
-    """Shape of every field for the given sizes."""
-    sizes = {"B": rows, "T": max_length, "A": num_aux, "H": hidden_size, "N": num_anchors}
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The sizes a batch's shapes depend on, besides its rows."""
+
+    max_length: int  # T
+    num_aux: int  # A
+    hidden_size: int  # H
+    num_anchors: int  # N
+
+    @classmethod
+    def of(cls, config, hidden_size: int) -> Dims:
+        """The batch sizes of a run config for a target of width `hidden_size`."""
+        return cls(
+            config.data.max_length, len(config.data.aux_layer_ids), hidden_size, config.train.num_anchors
+        )
+
+
+def shapes(rows: int, dims: Dims) -> dict[str, tuple]:
+    """Shape of every field of a batch of `rows` rows."""
+    sizes = {"B": rows, "T": dims.max_length, "A": dims.num_aux, "H": dims.hidden_size, "N": dims.num_anchors}
     return {f.name: tuple(sizes[d] for d in f.dims) for f in FIELDS}
 
 
-def abstract_device_batch(
-    rows: int, max_length: int, num_aux: int, hidden_size: int, num_anchors: int
-) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_device_batch(rows: int, dims: Dims) -> dict[str, jax.ShapeDtypeStruct]:
     """`ShapeDtypeStruct`s of the device fields, for ahead-of-time compilation."""
-    all_shapes = shapes(rows, max_length, num_aux, hidden_size, num_anchors)
+    all_shapes = shapes(rows, dims)
     return {f.name: jax.ShapeDtypeStruct(all_shapes[f.name], f.dtype) for f in FIELDS if f.device}
 
 
@@ -62,24 +77,17 @@ def device_fields(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def synthetic(
-    rows: int,
-    max_length: int,
-    num_aux: int,
-    hidden_size: int,
-    num_anchors: int,
-    vocab_size: int,
-    *,
-    prompt_length: int | None = None,
-    seed: int = 0,
+    rows: int, dims: Dims, vocab_size: int, *, prompt_length: int | None = None, seed: int = 0
 ) -> dict[str, np.ndarray]:
     """A batch of the spec with random tokens and states, the response from `prompt_length` on
     (default: a quarter of the sequence), anchors drawn as the pipeline draws them. For benchmarks
     and tests: the work of a step does not depend on the values."""
     rng = np.random.default_rng(seed)
+    max_length, num_aux, hidden_size = dims.max_length, dims.num_aux, dims.hidden_size
     prompt = max_length // 4 if prompt_length is None else prompt_length
     loss_mask = np.zeros((rows, max_length), np.uint8)
     loss_mask[:, prompt:] = 1
-    anchors, keep = map(np.stack, zip(*(sample_anchors(m, num_anchors, rng) for m in loss_mask)))
+    anchors, keep = map(np.stack, zip(*(sample_anchors(m, dims.num_anchors, rng) for m in loss_mask)))
     bf16 = ml_dtypes.bfloat16
     return {
         "input_ids": rng.integers(0, vocab_size, (rows, max_length)).astype(np.int32),

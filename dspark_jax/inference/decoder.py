@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.inference.engine import DSPARK_PROPOSER, Proposer, SpecSettings, speculate_program
-from dspark_jax.target.generate import GREEDY, BatchedDecoding, SamplingParams, check_prompts
+from dspark_jax.target.generate import GREEDY, BatchedDecoding, Generator, SamplingParams, check_prompts
 from dspark_jax.target.model import Transformer
 
 
@@ -126,6 +126,18 @@ class SpeculativeDecoder(BatchedDecoding):
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.report = SpecReport()
+
+    def target_only(self) -> Generator:
+        """Target-only decoding with this decoder's target, batching and mesh: the speed baseline, and
+        the output greedy speculation must equal."""
+        return Generator(
+            nnx.merge(self.target_graphdef, self.target_state),
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            batch_size=self.batch_size,
+            padding="right",
+            mesh=self.mesh,
+        )
 
     def max_len(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache slots of a program: prompt, new tokens and room for one block past the end."""

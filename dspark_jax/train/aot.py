@@ -50,13 +50,7 @@ def step_memory(config, micro_batch: int) -> dict[str, dict[str, int] | float]:
         jax.ShapeDtypeStruct((target.vocab_size, target.hidden_size), frozen_dtype),
         jax.ShapeDtypeStruct((target.hidden_size, target.vocab_size), frozen_dtype),
     )
-    batch = batch_lib.abstract_device_batch(
-        micro_batch,
-        config.data.max_length,
-        len(config.data.aux_layer_ids),
-        target.hidden_size,
-        config.train.num_anchors,
-    )
+    batch = batch_lib.abstract_device_batch(micro_batch, batch_lib.Dims.of(config, target.hidden_size))
     micro_fn = functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=experiment)
     micro = jax.jit(micro_fn).lower(params, rest, frozen, batch).compile()
     grads, sums = jax.eval_shape(micro_fn, params, rest, frozen, batch)

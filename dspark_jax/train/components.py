@@ -25,6 +25,7 @@ from dspark_jax.cache import CacheDataSource, DeepSpecDataSource, open_cache, re
 from dspark_jax.cache.build import cache_path, prepare_split
 from dspark_jax.data.pipeline import PipelineConfig
 from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.target import Target, TargetConfig, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
 from dspark_jax.target.tokenizer import Tokenizer
@@ -256,3 +257,18 @@ def restore_draft(config, target: TargetConfig, mesh: Mesh, checkpoint: str | os
             raise FileNotFoundError(f"no checkpoint in {directory}")
         params = checkpointer.restore_params(step, abstract_params)
     return graphdef, params, rest, step
+
+
+def speculative_decoder(config, target: Target, draft, *, batch_size: int, mesh: Mesh) -> SpeculativeDecoder:
+    """The experiment's speculative decoder for a loaded target and a draft `(graphdef, params, rest)`."""
+    return SpeculativeDecoder(
+        target.model,
+        *draft,
+        side_from_target(target, mesh).frozen,
+        proposer=experiments.get(config.experiment).proposer,
+        aux_layer_ids=config.data.aux_layer_ids,
+        eos_ids=target.eos_ids,
+        pad_id=target.tokenizer.pad_id,
+        batch_size=batch_size,
+        mesh=mesh,
+    )

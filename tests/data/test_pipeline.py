@@ -63,7 +63,8 @@ def test_batch_layout_padding_and_truncation_count():
     assert sorted(batch) == sorted(f.name for f in batch_lib.FIELDS)
     shapes = {k: (v.shape, v.dtype) for k, v in batch.items()}
     assert shapes == {
-        f.name: (s, f.dtype) for f, s in zip(batch_lib.FIELDS, batch_lib.shapes(4, 16, A_AUX, H, 5).values())
+        f.name: (s, f.dtype)
+        for f, s in zip(batch_lib.FIELDS, batch_lib.shapes(4, batch_lib.Dims(16, A_AUX, H, 5)).values())
     }
     assert shapes["input_ids"] == ((4, 16), np.int32)
     assert shapes["loss_mask"] == ((4, 16), np.uint8)

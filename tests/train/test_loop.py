@@ -191,6 +191,8 @@ def test_metrics_are_finite_and_named(cache_dir, tmp_path):
         "train/grad_norm",
         "train/learning_rate",
         "train/confidence_abs_error",
+        "train/confidence_cumprod_bias",
+        "eval/confidence_cumprod_bias",
         "train/anchors_per_sample",
     ):
         assert math.isfinite(last[name]), name

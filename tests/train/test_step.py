@@ -30,7 +30,9 @@ BASELINE = experiments.get("baseline")
 
 
 def _batch():
-    host = batch_lib.synthetic(B, T, CFG.num_aux, CFG.hidden_size, N, CFG.vocab_size, prompt_length=6)
+    host = batch_lib.synthetic(
+        B, batch_lib.Dims(T, CFG.num_aux, CFG.hidden_size, N), CFG.vocab_size, prompt_length=6
+    )
     # Shorter rows: some blocks run past the response end and some rows have padding blocks.
     host["loss_mask"][::3, 12:] = 0
     return batch_lib.device_fields(host)

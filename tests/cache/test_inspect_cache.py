@@ -113,3 +113,17 @@ def test_deepspec_verify_reports_all(tmp_path, capsys):
 def test_missing(tmp_path, capsys):
     rc, _, err = run(capsys, tmp_path)
     assert rc == 1 and "manifest.json" in err
+
+
+def test_native_verify_reports_every_bad_shard(tmp_path, capsys):
+    """Damage in two shards: `--verify` names both (it does not stop at the first), exit status 1."""
+    path = tmp_path / "c"
+    build(str(path), make_samples(6), cache.CacheSpec(**{**SPEC.to_json(), "num_shards": 2}))
+    cache.finalize(str(path))
+    chunk_files(path, 0, "last_hidden")[0].unlink()
+    damaged = chunk_files(path, 1, "aux_hidden")[0]
+    damaged.write_bytes(damaged.read_bytes()[:7])
+    capsys.readouterr()
+    rc, _, err = run(capsys, path, "--verify")
+    assert rc == 1 and "2 problem(s)" in err
+    assert "shard 0: cannot read last_hidden" in err and "shard 1: cannot read aux_hidden" in err

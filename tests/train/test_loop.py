@@ -226,3 +226,17 @@ def test_trains_on_a_cache_in_deepspec_layout(cache_dir, tmp_path):
     config.data.train_cache = str(deepspec_dir)
     last = train(config, tmp_path / "work")
     assert math.isfinite(last["train/loss"]) and math.isfinite(last["eval/tau_prob"])
+
+
+def test_changed_data_settings_build_a_new_cache(cache_dir):
+    """`data.train_limit` changed: the run gets a cache of the new settings, not the old one's."""
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
+    old = _config(cache_dir)
+    side, old_paths = components.prepare_target_side(old, mesh)
+    new = _config(cache_dir)
+    new.data.train_limit = 3
+    _, new_paths = components.prepare_target_side(new, mesh)
+    assert new_paths["train"] != old_paths["train"] and new_paths["val"] == old_paths["val"]
+    old_samples = len(components.open_source(old_paths["train"], old, side))
+    new_samples = len(components.open_source(new_paths["train"], new, side))
+    assert new_samples <= 3 < old_samples

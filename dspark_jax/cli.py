@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from dspark_jax import config_lib
@@ -32,9 +35,32 @@ def define_config_flag(default: str | None = DEFAULT_CONFIG):
     return config_flags.DEFINE_config_file("config", default, "Experiment config file[:preset].")
 
 
+# Config keys that hold paths: made absolute at the command line, so a stored config means the same
+# files whatever directory a later command runs in.
+PATH_KEYS = (
+    ("data", "cache_dir"),
+    ("data", "train_cache"),
+    ("data", "val_cache"),
+    ("data", "train_source"),
+    ("data", "val_source"),
+    ("target", "path"),
+)
+NAMED_SOURCES = ("sharegpt",)  # conversation sources that are names, not paths
+
+
+def with_absolute_paths(config):
+    """`config` with its path keys resolved against the working directory (URLs unchanged)."""
+    if config is None:
+        return None
+    for section, key in PATH_KEYS:
+        if config[section][key] not in NAMED_SOURCES:
+            config[section][key] = resolve_path(config[section][key])
+    return config
+
+
 def config_value(flag):
     """The flag's config, validated (a one-line error naming the key, before any expensive work)."""
-    config = flag.value
+    config = with_absolute_paths(flag.value)
     config_lib.validate(config)
     return config
 
@@ -48,7 +74,7 @@ def check_flags(**checks: tuple[bool, str]) -> None:
 
 def checkpoint_config(flag, checkpoint: str):
     """The config of the run in `checkpoint`: the stored one, or `--config` when given and consistent."""
-    config = run_config(checkpoint, given=flag.value)
+    config = run_config(checkpoint, given=with_absolute_paths(flag.value))
     config_lib.validate(config)
     return config
 
@@ -103,8 +129,58 @@ def unknown_override(argv: Sequence[str], default: str | None) -> str | None:
     return None
 
 
+class _Console(logging.Handler):
+    """The terminal at default verbosity: this package's INFO lines as plain text, anyone's warnings."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or record.name.startswith("dspark_jax")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        prefix = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        print(prefix + record.getMessage(), file=sys.stderr, flush=True)
+
+
+def configure_logging() -> None:
+    """Quiet terminal by default: progress, evaluations, warnings and summaries. Library INFO logs
+    (orbax, absl, grain, jax) and per-item messages only reach a log file (`log_to_file`), unless
+    `--verbosity` is given, which restores absl's full logging to the terminal."""
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG)
+    if flags.FLAGS["verbosity"].present:
+        return
+    absl_handler = absl_logging.get_absl_handler()
+    if absl_handler in root.handlers:
+        root.removeHandler(absl_handler)
+    root.addHandler(_Console())
+
+
+def log_to_file(path: str | os.PathLike) -> None:
+    """Every log record (DEBUG and up, libraries included) also goes to `path` (a local file)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+
+
+_PATH_FLAGS: list[str] = []
+
+
+def define_path_flag(name: str, default: str | None, help: str, **kwargs):
+    """A string flag holding a path or URL; `run` makes it absolute before `main` sees it."""
+    _PATH_FLAGS.append(name)
+    return flags.DEFINE_string(name, default, help, **kwargs)
+
+
+def resolve_path(path: str) -> str:
+    """A command-line path made absolute against the working directory (URLs stay as they are)."""
+    return path if not path or "://" in path else str(Path(path).expanduser().resolve())
+
+
 def run(main: Callable, *, config_default: str | None = DEFAULT_CONFIG) -> None:
-    """`absl.app.run(main)` where user errors print one `error:` line instead of a traceback.
+    """`absl.app.run(main)` with quiet logging, where user errors print one `error:` line.
 
     Usage errors (`UsageError`, a `--config.KEY` the config lacks, a bad config value) exit 2; other
     errors about inputs (`ValueError`, `FileNotFoundError`, ...) exit 1. `--verbose` re-raises them
@@ -112,8 +188,16 @@ def run(main: Callable, *, config_default: str | None = DEFAULT_CONFIG) -> None:
     """
     verbose = "--verbose" in sys.argv
     argv = [a for a in sys.argv if a != "--verbose"]
+
+    def quiet_main(args):
+        configure_logging()
+        for name in _PATH_FLAGS:
+            if getattr(flags.FLAGS, name):
+                setattr(flags.FLAGS, name, resolve_path(getattr(flags.FLAGS, name)))
+        return main(args)
+
     try:
-        app.run(main, argv=argv)
+        app.run(quiet_main, argv=argv)
     except AttributeError:
         message = unknown_override(argv[1:], config_default)
         if verbose or message is None:

@@ -5,24 +5,21 @@
 `--checkpoint` takes a training work directory (its latest checkpoint), a checkpoints
 directory, or one step's directory; the run's stored config is used unless `--config` is
 given (which must agree with it on every key that shapes the draft). Prints (and writes)
-`eval` metrics: tau_prob, accept_rate@0..6, losses, confidence error.
+`eval` metrics: tau_prob, accept_rate_0..6, losses, confidence error.
 """
 
 from __future__ import annotations
 
 import json
 
-from absl import flags
 from etils import epath
 
-from dspark_jax.cli import checkpoint_config, define_config_flag, run
+from dspark_jax.cli import checkpoint_config, define_config_flag, define_path_flag, run
 from dspark_jax.train.evaluation import evaluate_checkpoint
 
 _CONFIG = define_config_flag(default=None)
-_CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", None, "Work directory or checkpoint directory.", required=True
-)
-_OUTPUT = flags.DEFINE_string("output", None, "Optional JSON output path.")
+_CHECKPOINT = define_path_flag("checkpoint", None, "Work directory or checkpoint directory.", required=True)
+_OUTPUT = define_path_flag("output", None, "Optional JSON output path.")
 
 
 def main(argv):

@@ -16,14 +16,14 @@ from pathlib import Path
 from absl import flags, logging
 
 from dspark_jax import sharding
-from dspark_jax.cli import SamplingFlags, check_flags, config_value, define_config_flag, run
+from dspark_jax.cli import SamplingFlags, check_flags, config_value, define_config_flag, define_path_flag, run
 from dspark_jax.data.conversations import read_turns_jsonl
 from dspark_jax.target import target_from_config
 from dspark_jax.target.generate import Generator, generate_replies
 
 _CONFIG = define_config_flag()
-_INPUT = flags.DEFINE_string("input", None, "JSONL of {'turns': [...]} prompts.", required=True)
-_OUTPUT = flags.DEFINE_string("output", None, "Output JSONL path.", required=True)
+_INPUT = define_path_flag("input", None, "JSONL of {'turns': [...]} prompts.", required=True)
+_OUTPUT = define_path_flag("output", None, "Output JSONL path.", required=True)
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Overrides config.generate.max_new_tokens.")
 _SAMPLING = SamplingFlags()
 

@@ -18,14 +18,14 @@ import json
 from absl import flags, logging
 
 from dspark_jax import sharding
-from dspark_jax.cli import SamplingFlags, check_flags, config_value, define_config_flag, run
+from dspark_jax.cli import SamplingFlags, check_flags, config_value, define_config_flag, define_path_flag, run
 from dspark_jax.data.conversations import load_conversations
 from dspark_jax.data.regenerate import regenerate
 from dspark_jax.target import target_from_config
 
 _CONFIG = define_config_flag()
 _INPUT = flags.DEFINE_string("input", None, "'sharegpt' or a conversation file.", required=True)
-_OUTPUT = flags.DEFINE_string("output", None, "Output JSONL path (resumed if it exists).", required=True)
+_OUTPUT = define_path_flag("output", None, "Output JSONL path (resumed if it exists).", required=True)
 _LIMIT = flags.DEFINE_integer("limit", None, "Use only the first N usable conversations.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Overrides config.generate.max_new_tokens.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", None, "Prompt cap per turn; default: the context.")

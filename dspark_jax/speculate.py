@@ -10,7 +10,7 @@ stored one on every key that shapes the draft). Sampling defaults to the config'
 section (greedy). The input defaults to the packaged GSM8K-256 prompts. The same prompts are also
 decoded by the target alone (same sampling, concurrency and max length) for the speedup,
 and at temperature 0 the two outputs are compared token for token. `--offline` adds the
-teacher-forced metrics (tau_prob, accept_rate@i) of the same checkpoint on the validation
+teacher-forced metrics (tau_prob, accept_rate_i) of the same checkpoint on the validation
 cache, which holds the target's replies to the GSM8K-256 prompts.
 """
 
@@ -22,7 +22,14 @@ from absl import flags
 from etils import epath
 
 from dspark_jax import sharding
-from dspark_jax.cli import SamplingFlags, check_flags, checkpoint_config, define_config_flag, run
+from dspark_jax.cli import (
+    SamplingFlags,
+    check_flags,
+    checkpoint_config,
+    define_config_flag,
+    define_path_flag,
+    run,
+)
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.inference.timing import time_cycle_phases
 from dspark_jax.target import target_from_config
@@ -31,9 +38,9 @@ from dspark_jax.train import components
 from dspark_jax.train.evaluation import evaluate_checkpoint
 
 _CONFIG = define_config_flag(default=None)
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Training work directory or checkpoint.", required=True)
-_INPUT = flags.DEFINE_string("input", str(GSM8K_VAL256), "JSONL of {'turns': [...]} prompts.")
-_OUTPUT = flags.DEFINE_string("output", None, "Output JSON (report + per-request replies).")
+_CHECKPOINT = define_path_flag("checkpoint", None, "Training work directory or checkpoint.", required=True)
+_INPUT = define_path_flag("input", str(GSM8K_VAL256), "JSONL of {'turns': [...]} prompts.")
+_OUTPUT = define_path_flag("output", None, "Output JSON (report + per-request replies).")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 1, "Requests decoded together.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generation cap per turn.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Use only the first N conversations (0 = all).")

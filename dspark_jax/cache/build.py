@@ -94,7 +94,7 @@ def tokenize_all(
 
     def drop(k: int, reason: str, detail: object) -> None:
         dropped[reason] += 1
-        logger.info("conversation %d dropped (%s): %s", k if indices is None else indices[k], reason, detail)
+        logger.debug("conversation %d dropped (%s): %s", k if indices is None else indices[k], reason, detail)
 
     for k, messages in enumerate(conversations):
         if not any(isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages):
@@ -339,7 +339,7 @@ def prepare_split(
         )
         dropped = count_dropped(records, samples)
         if sum(dropped.values()):
-            logger.warning(
+            logger.info(
                 "%s: %d of %d conversations dropped: %s",
                 split,
                 sum(dropped.values()),

@@ -76,7 +76,7 @@ class LoadedConversations:
     def skip(self, source: str, index: int, error: InvalidConversation) -> None:
         """Counts (by reason) and logs one skipped record."""
         self.skipped[error.reason] += 1
-        logger.info("%s: skipped record %d: %s", source, index, error)
+        logger.debug("%s: skipped record %d: %s", source, index, error)
 
 
 def normalize_conversation(messages: object) -> Conversation:
@@ -317,7 +317,7 @@ def load_conversations(spec: str | Path, limit: int | None = None) -> LoadedConv
     else:
         loaded = read_messages_jsonl(path, limit)
     if loaded.skipped:
-        logger.warning("%s: skipped %d records: %s", path, loaded.num_skipped, dict(loaded.skipped))
+        logger.info("%s: skipped %d records: %s", path, loaded.num_skipped, dict(loaded.skipped))
     if not loaded.conversations:
         raise ValueError(f"{path}: no usable conversations")
     return loaded

@@ -291,7 +291,7 @@ def _regenerate_chunk(
         record: dict[str, Any] = {"index": start + k}
         if not any(m["role"] == "user" for m in messages[k]):
             record["skipped"] = stopped[k]
-            logger.info("conversation %d skipped: %s", start + k, stopped[k])
+            logger.debug("conversation %d skipped: %s", start + k, stopped[k])
         else:
             record["messages"] = messages[k]
             if stopped[k]:

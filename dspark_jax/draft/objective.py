@@ -197,7 +197,7 @@ def metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
 
     Keys: `loss` (the DSpark loss); `ce`, `l1`, `bce` (position-weighted, as in the loss);
     `ce_per_token`, `l1_per_token`, `bce_per_token` (plain means over valid predictions); `tau_prob`;
-    `accept_rate@0` .. `accept_rate@{S-1}`; `confidence_abs_error`, `confidence_bias`,
+    `accept_rate_0` .. `accept_rate_{S-1}`; `confidence_abs_error`, `confidence_bias`,
     `confidence_cumprod_bias` (position-weighted means, as DeepSpec logs them); `valid_blocks`,
     `valid_predictions`. Ratios with a zero denominator are 0.
     """
@@ -217,5 +217,5 @@ def metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         "valid_predictions": predictions,
     }
     accept_rate_S = _safe_div(sums["accept"], sums["accept_count"])
-    metrics |= {f"accept_rate@{i}": accept_rate_S[i] for i in range(accept_rate_S.shape[0])}
+    metrics |= {f"accept_rate_{i}": accept_rate_S[i] for i in range(accept_rate_S.shape[0])}
     return metrics

@@ -3,27 +3,37 @@
   python -m dspark_jax.train --config=configs/baseline.py[:demo|:paper|:smoke] [--workdir=DIR] \
       [--config.train.stop_step=N] [--config.key=value ...]
 
-Builds the demo caches first when they are missing. The work directory holds orbax
-checkpoints, TensorBoard events and `metrics.jsonl`; rerunning with the same work directory
-resumes (a different training setting is refused unless named in `--allow_changed`). SIGTERM
-saves a checkpoint and exits with status 75. On a multi-host TPU slice or Slurm allocation
-`jax.distributed.initialize()` runs first (see launch/).
+Prints progress, one line per evaluation, warnings and a closing summary (where the checkpoint,
+metrics and TensorBoard logs are; final and best eval tau_prob; wall time per stage; the
+commands to run next); `--json` prints the last metrics instead. Library logs go to
+`<workdir>/train.log` (`--verbosity=0` shows them). Builds the demo caches first when they are
+missing. The work directory holds orbax checkpoints, TensorBoard events and `metrics.jsonl`;
+rerunning with the same work directory resumes (a different training setting is refused unless
+named in `--allow_changed`). SIGTERM saves a checkpoint and exits with status 75. On a
+multi-host TPU slice or Slurm allocation `jax.distributed.initialize()` runs first (see launch/).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+from pathlib import Path
 
 import jax
-from absl import flags, logging
+from absl import flags
 
-from dspark_jax.cli import REPO_ROOT, config_value, define_config_flag, run
-from dspark_jax.train.loop import Preempted, train
+from dspark_jax.cli import REPO_ROOT, config_value, define_config_flag, define_path_flag, log_to_file, run
+from dspark_jax.train.loop import SUMMARY_FILE, Preempted, train
+from dspark_jax.train.progress import format_duration
+
+log = logging.getLogger("dspark_jax.train")
+LOG_FILE = "train.log"
 
 _CONFIG = define_config_flag()
-_WORKDIR = flags.DEFINE_string("workdir", None, "Work directory; default workdirs/<experiment>-<preset>.")
+_WORKDIR = define_path_flag("workdir", None, "Work directory; default workdirs/<experiment>-<preset>.")
+_JSON = flags.DEFINE_bool("json", False, "Print the last logged metrics as JSON instead of the summary.")
 _ALLOW_CHANGED = flags.DEFINE_list(
     "allow_changed",
     [],
@@ -42,19 +52,51 @@ def _multi_host() -> bool:
     return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
+def human_summary(summary: dict, config_name: str) -> str:
+    """What the run wrote, how it ended, how long each stage took, and what to run next."""
+    seconds = summary["seconds"]
+    times = ", ".join(f"{name.replace('_', ' ')} {format_duration(s)}" for name, s in seconds.items())
+    lines = [
+        f"done: step {summary['step']}, checkpoint {summary['checkpoint']}",
+        f"  metrics     {summary['metrics']} (all of them; --json prints the last ones)",
+        f"  tensorboard {summary['tensorboard']}",
+        f"  log         {summary['workdir']}/{LOG_FILE}",
+    ]
+    if summary["final_eval"]:
+        final, best = summary["final_eval"], summary["best_eval"]
+        lines.append(
+            f"  eval tau_prob {final['tau_prob']:.4f} at step {final['step']} "
+            f"(best {best['tau_prob']:.4f} at step {best['step']})"
+        )
+    lines += [
+        f"  wall time: {times}",
+        "next:",
+        f"  python -m dspark_jax.speculate --checkpoint={summary['workdir']} --limit=16   # MAL, tokens/s",
+        f"  python -m dspark_jax.evaluate --checkpoint={summary['workdir']}              # offline metrics",
+        f"  tensorboard --logdir={summary['tensorboard']}",
+        f"  (config: {config_name})",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv):
     del argv
     if _multi_host():
         jax.distributed.initialize()
     config = config_value(_CONFIG)
     workdir = _WORKDIR.value or str(REPO_ROOT / "workdirs" / f"{config.experiment}-{config.preset}")
-    logging.info("experiment %s preset %s, workdir %s", config.experiment, config.preset, workdir)
+    log_to_file(Path(workdir) / LOG_FILE)
+    log.info("experiment %s, preset %s, workdir %s", config.experiment, config.preset, workdir)
     try:
         metrics = train(config, workdir, allow_changed=_ALLOW_CHANGED.value)
     except Preempted as e:
         print(f"{e} (workdir {workdir})", file=sys.stderr)
         sys.exit(PREEMPTED_STATUS)
-    print(json.dumps(metrics))
+    if _JSON.value:
+        print(json.dumps(metrics))
+    else:
+        summary = json.loads((Path(workdir) / SUMMARY_FILE).read_text())
+        print(human_summary(summary, f"{config.experiment}:{config.preset}"))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def step_memory(config, micro_batch: int) -> dict[str, dict[str, int] | float]:
     _, optimizer = components.make_training_optimizer(config, params)
     opt_state = jax.eval_shape(optimizer.init, params)
     update_fn = functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=experiment)
-    update = jax.jit(update_fn, donate_argnums=(0, 1, 2)).lower(params, opt_state, grads, sums).compile()
+    update = jax.jit(update_fn, donate_argnums=(0, 1)).lower(params, opt_state, grads, sums).compile()
     micro_mem, update_mem = _analysis(micro), _analysis(update)
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     # Resident: params + optimizer state + gradient accumulators (the update's arguments) + frozen matrices;

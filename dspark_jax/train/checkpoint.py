@@ -56,7 +56,10 @@ class Checkpointer:
         save_interval_steps: int = 1,
         async_save: bool = False,
     ):
-        self.directory = epath.Path(directory)
+        # orbax wants absolute paths; a relative local one is taken against the working directory.
+        self.directory = (
+            epath.Path(directory) if "://" in os.fspath(directory) else epath.Path(directory).resolve()
+        )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             # Exactly the multiples of the interval: no orbax initial save, and preemption

@@ -1,4 +1,4 @@
-"""Teacher-forced evaluation of a draft on a validation cache (`eval/tau_prob`, `accept_rate@i`, ...)."""
+"""Teacher-forced evaluation of a draft on a validation cache (`eval/tau_prob`, `accept_rate_i`, ...)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ checkpoint, with the data iterator exactly where it was.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -27,11 +28,13 @@ from dspark_jax.data.pipeline import make_iterator, to_global
 from dspark_jax.train import components, evaluation
 from dspark_jax.train import step as step_lib
 from dspark_jax.train.checkpoint import Checkpointer
-from dspark_jax.train.metrics_writer import MetricWriter
+from dspark_jax.train.metrics_writer import METRICS_FILE, TENSORBOARD_DIR, MetricWriter
 from dspark_jax.train.preemption import PreemptionGuard
 from dspark_jax.train.progress import ProgressLogger
 
 log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "summary.json"
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -81,6 +84,27 @@ def split_micro_batches(batch: Mapping[str, np.ndarray], num: int) -> list[dict[
     return [{k: v[i * size : (i + 1) * size] for k, v in fields.items()} for i in range(num)]
 
 
+def write_summary(workdir: epath.Path, checkpointer: Checkpointer, stages: Mapping[str, float]) -> None:
+    """`summary.json` in the work directory: where the run's outputs are, its final and best
+    evaluation, and the wall time of each stage (process 0 only)."""
+    if jax.process_index():
+        return
+    lines = [json.loads(line) for line in (workdir / METRICS_FILE).read_text().splitlines()]
+    evals = [(line["step"], line["eval/tau_prob"]) for line in lines if line.get("eval/tau_prob") is not None]
+    step = checkpointer.latest_step()
+    summary = {
+        "workdir": str(workdir),
+        "checkpoint": str(checkpointer.directory / str(step)) if step else None,
+        "step": step,
+        "tensorboard": str(workdir / TENSORBOARD_DIR),
+        "metrics": str(workdir / METRICS_FILE),
+        "final_eval": dict(zip(("step", "tau_prob"), evals[-1])) if evals else None,
+        "best_eval": dict(zip(("step", "tau_prob"), max(evals, key=lambda e: e[1]))) if evals else None,
+        "seconds": {name: round(seconds, 1) for name, seconds in stages.items()},
+    }
+    (workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
 def _scalars(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:
     return {f"{prefix}/{k}": float(v) for k, v in jax.device_get(dict(metrics)).items()}
 
@@ -97,12 +121,15 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     experiment = experiments.get(config.experiment)
 
     # ---- Mesh, target side, caches -------------------------------------------------------
+    stages = {"caches": -time.perf_counter()}
     mesh = sharding.make_mesh(config.mesh.to_dict())
     rules = sharding.rules_of(config)
     side, cache_paths = components.prepare_target_side(config, mesh)
     train_source = components.open_source(cache_paths["train"], config, side)
     val_source = components.open_source(cache_paths["val"], config, side)
     log.info("caches: train %d samples, val %d samples", len(train_source), len(val_source))
+    stages["caches"] += time.perf_counter()
+    stages["setup"] = -time.perf_counter()
 
     # ---- Draft, optimizer -------------------------------------------------------------------
     graphdef, params, rest = components.init_draft(config, side.config, mesh)
@@ -142,7 +169,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     accumulate = jax.jit(step_lib.accumulate, donate_argnums=0)
     apply_step = jax.jit(
         functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=experiment),
-        donate_argnums=(0, 1, 2),
+        donate_argnums=(0, 1),
     )
     train_metrics = jax.jit(experiment.metrics)
     eval_sums = evaluation.make_eval_sums(graphdef, experiment)
@@ -167,6 +194,8 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
         progress.update(step, {"loss": metrics["train/loss"], "tau": metrics["train/tau_prob"]})
 
     stop = False
+    stages["setup"] += time.perf_counter()
+    stages |= {"first_step": 0.0, "train": -time.perf_counter(), "eval": 0.0}
     log.info("step %d: compiling the train step (the first step takes longer)", start + 1)
     with PreemptionGuard() as guard, sharding.activation_sharding(mesh, rules):
         for step in range(start + 1, t.stop_step + 1):
@@ -194,13 +223,15 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
             pending = (step, device_metrics, host)
             if step == start + 1:
                 jax.block_until_ready(grad_norm)
-                log.info("step %d: compiled and ran in %.1f s", step, time.perf_counter() - began)
+                stages["first_step"] = time.perf_counter() - began
+                log.info("step %d: compiled and ran in %.1f s", step, stages["first_step"])
 
             # Evaluate before saving: a kill after the save never loses this step's eval line.
             if (t.eval_every and step % t.eval_every == 0) or step == t.stop_step:
                 if pending is not None:
                     finish(pending)
                     pending = None
+                eval_began = time.perf_counter()
                 metrics = evaluation.evaluate(
                     eval_sums,
                     experiment,
@@ -212,13 +243,14 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                     t.eval_batches,
                     rules,
                 )
+                stages["eval"] += time.perf_counter() - eval_began
                 writer.write(step, {f"eval/{k}": v for k, v in metrics.items()})
                 last = last | {f"eval/{k}": v for k, v in metrics.items()}
                 log.info(
-                    "step %d eval: tau_prob %.4f, accept_rate@0 %.4f",
+                    "step %d eval: tau_prob %.4f, accept_rate_0 %.4f",
                     step,
                     metrics["tau_prob"],
-                    metrics["accept_rate@0"],
+                    metrics["accept_rate_0"],
                 )
             # Every process reaches the preemption sync point on every step.
             stop = guard.should_stop(step)
@@ -230,6 +262,8 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
             if stop:
                 break
     checkpointer.wait()
+    stages["train"] += time.perf_counter() - stages["eval"] - stages["first_step"]
+    write_summary(workdir, checkpointer, stages)
     checkpointer.close()
     writer.close()
     if stop and step < t.stop_step:

@@ -102,7 +102,7 @@ def test_normalize_rejects(messages, reason):
 def test_sharegpt_json_array_counts_and_logs_skips(tmp_path, caplog):
     path = tmp_path / "data.json"
     path.write_text(json.dumps(SHAREGPT_RECORDS, indent=2), encoding="utf-8")
-    with caplog.at_level(logging.INFO, logger=conv.__name__):
+    with caplog.at_level(logging.DEBUG, logger=conv.__name__):
         loaded = load_conversations(path)
     assert [user_turns(c) for c in loaded.conversations] == [
         ["Hi"],
@@ -155,7 +155,7 @@ def test_openai_messages_jsonl_with_malformed_lines(tmp_path, caplog):
         json.dumps(good) + "\n\n{not json\n" + json.dumps({"other": 1}) + "\n" + json.dumps(good) + "\n",
         encoding="utf-8",
     )
-    with caplog.at_level(logging.INFO, logger=conv.__name__):
+    with caplog.at_level(logging.DEBUG, logger=conv.__name__):
         loaded = load_conversations(path)
     assert len(loaded.conversations) == 2
     assert loaded.conversations[0] == [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]

@@ -63,7 +63,7 @@ def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask
         },
         "valid_blocks": s["blocks"],
         "valid_predictions": preds,
-        **{f"accept_rate@{i}": accept[i] / accept_count[i] if accept_count[i] else 0.0 for i in range(S)},
+        **{f"accept_rate_{i}": accept[i] / accept_count[i] if accept_count[i] else 0.0 for i in range(S)},
     }
     return s | {"accept": accept, "accept_count": accept_count, "predictions": preds}, metrics
 

@@ -186,7 +186,7 @@ def test_metrics_are_finite_and_named(cache_dir, tmp_path):
     for name in (
         "train/loss",
         "train/tau_prob",
-        "train/accept_rate@0",
+        "train/accept_rate_0",
         "eval/tau_prob",
         "train/grad_norm",
         "train/learning_rate",

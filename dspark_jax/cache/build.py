@@ -43,7 +43,8 @@ from dspark_jax.data.regenerate import (
     skip_reason,
 )
 from dspark_jax.target import Target
-from dspark_jax.target.chat import tokenize_conversation
+from dspark_jax.target.chat import ChatTemplate, prompt_ids, tokenize_conversation
+from dspark_jax.target.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,44 @@ def cache_spec(target: Target, aux_layer_ids: Sequence[int], num_shards: int) ->
 
 def projected_bytes(samples: TokenizedSamples, spec: CacheSpec) -> int:
     return estimate_bytes(samples.num_tokens, spec, num_samples=len(samples.input_ids))
+
+
+def projected_size(
+    config, split: str, tokenizer: Tokenizer, template: ChatTemplate, hidden_size: int
+) -> dict:
+    """What a split's cache will take, from its prompts alone (no target decoding, nothing written).
+
+    An upper bound: each conversation kept (cut to `data.regen_max_turns` user turns; dropped when
+    its first prompt is longer than `data.regen_max_prompt_tokens`, as regeneration drops it) counts
+    its rendering with empty replies plus `data.regen_max_new_tokens` per reply, capped at
+    `data.max_length`.
+    """
+    data = config.data
+    source = data.train_source if split == "train" else (data.val_source or str(GSM8K_VAL256))
+    limit = (data.train_limit if split == "train" else data.val_limit) or None
+    conversations = cut_turns(load_conversations(source, limit=limit).conversations, data.regen_max_turns)
+    tokens = samples = too_long = 0
+    for conversation in conversations:
+        messages: list[Message] = [m for m in conversation if m["role"] == "system"]
+        turns = [m for m in conversation if m["role"] == "user"]
+        for turn in turns:
+            messages += [turn, {"role": "assistant", "content": ""}]
+        first = prompt_ids(tokenizer, template, [*messages[: len(messages) - 2 * len(turns)], turns[0]])
+        if len(first) > data.regen_max_prompt_tokens:
+            too_long += 1
+            continue
+        rendered, _ = tokenize_conversation(tokenizer, template, messages, require_response=False)
+        tokens += min(len(rendered) + len(turns) * data.regen_max_new_tokens, data.max_length)
+        samples += 1
+    spec = CacheSpec(tuple(data.aux_layer_ids), hidden_size, data.num_shards, {}, "")
+    return {
+        "split": split,
+        "conversations": len(conversations),
+        "dropped": {PROMPT_TOO_LONG: too_long},
+        "samples_at_most": samples,
+        "tokens_at_most": tokens,
+        "bytes_at_most": estimate_bytes(tokens, spec, num_samples=samples),
+    }
 
 
 def build_cache(
@@ -293,14 +332,15 @@ def prepare_split(
     target: Target,
     mesh: Mesh,
     *,
-    dry_run: bool = False,
+    build: bool = True,
     process_index: int = 0,
     process_count: int = 1,
 ) -> dict:
     """Regenerates a split's replies with the target and builds its cache; resumes whatever exists.
 
     Conversations are cut to their first `data.regen_max_turns` user turns before regeneration.
-    Returns a report: cache path, counts, projected bytes, and the manifest when complete.
+    Returns a report: cache path, counts, projected bytes, and the manifest when complete. With
+    `build=False` it stops after regenerating and tokenising (no target forward, no cache written).
     `conversations` (read from the source; `source_skipped` are the records the source loader
     rejected, by reason) = `samples` + `dropped_total`, and `dropped` names every reason.
     """
@@ -362,7 +402,7 @@ def prepare_split(
             "truncated": samples.truncated,
             "projected_bytes": projected_bytes(samples, spec),
         }
-        if not dry_run:
+        if build:
             report["manifest_complete"] = (
                 build_cache(
                     path,

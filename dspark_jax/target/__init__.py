@@ -81,6 +81,16 @@ def _tokenizer_for(path: Path) -> Tokenizer:
     return Tokenizer.from_tokenizer_json(path / "tokenizer.json")
 
 
+def load_tokenizer(config) -> tuple[Tokenizer, ChatTemplate, TargetConfig]:
+    """A config `target` section's tokenizer, chat template and shape, without loading any weights."""
+    path = Path(config.path) if config.path else default_target_path()
+    tokenizer = _tokenizer_for(path)
+    shape = (
+        TargetConfig.from_json(config.arch.to_dict()) if config.random_init else load_checkpoint(path).config
+    )
+    return tokenizer, ChatTemplate.for_tokenizer(tokenizer), shape
+
+
 def random_target(
     arch: Mapping[str, Any],
     *,

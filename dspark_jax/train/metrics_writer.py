@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,8 @@ from etils import epath
 from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
+# TensorBoard's legal tag characters: a name is written to both outputs unchanged.
+_NAME = re.compile(r"[A-Za-z0-9_.\-/]+")
 TENSORBOARD_DIR = "tensorboard"
 
 
@@ -60,6 +63,12 @@ class MetricWriter:
         values = {name: _scalar(name, value) for name, value in metrics.items()}
         if "step" in values:
             raise ValueError("'step' is reserved for the step number; rename the metric")
+        illegal = [name for name in values if not _NAME.fullmatch(name)]
+        if illegal:
+            raise ValueError(
+                f"metric name {illegal[0]!r} is not a legal TensorBoard tag (letters, digits, '_', '.', "
+                "'-', '/'); the JSONL keys and TensorBoard tags are the same names"
+            )
         record = {"step": int(step), **{k: v if math.isfinite(v) else None for k, v in values.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

@@ -172,7 +172,7 @@ def test_prepare_split_cuts_turns_counts_drops_and_keeps_gs_paths(target, mesh1,
     config.data.regen_max_turns = 1
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "local"))
     with fake_gcs(tmp_path / "gcs"):
-        report = prepare_split(config, "train", target, mesh1, dry_run=True)
+        report = prepare_split(config, "train", target, mesh1, build=False)
     root = f"gs://bucket/dspark/{target.fingerprint[:12]}"
     cache_dir = f"train_cache-{settings_key(cache_settings(config, 'train'))}"
     replies_file = f"train_replies-{settings_key(regen_settings(config, 'train'))}.jsonl"

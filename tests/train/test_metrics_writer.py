@@ -2,11 +2,13 @@
 
 import json
 import math
+import struct
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tensorboardX.proto import event_pb2
 
 from dspark_jax.train.metrics_writer import MetricWriter
 
@@ -32,6 +34,37 @@ def test_writes_jsonl_and_tensorboard(tmp_path):
     (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
     data = events.read_bytes()
     assert b"train/loss" in data and b"eval/mal" in data
+
+
+def read_events(path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of a TensorBoard event file, parsed independently (TFRecord framing + Event protos)."""
+    data, out, at = path.read_bytes(), {}, 0
+    while at < len(data):
+        (length,) = struct.unpack("<Q", data[at : at + 8])
+        event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+        at += 12 + length + 4
+        for value in event.summary.value:
+            out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_tensorboard_tags_equal_the_jsonl_keys(tmp_path):
+    """A real run's metrics: TensorBoard shows every JSONL key under the same name, same values."""
+    metrics = {
+        "train/loss": 1.5,
+        "train/accept_rate_0": 0.25,
+        "eval/accept_rate_6": 0.125,
+        "train/confidence_cumprod_bias": -0.5,
+    }
+    with MetricWriter(tmp_path) as writer:
+        writer.write(3, metrics)
+    (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    tags = read_events(events)
+    (line,) = _lines(tmp_path / "metrics.jsonl")
+    assert set(tags) == set(line) - {"step"} == set(metrics)
+    assert all(tags[name] == [(3, pytest.approx(value))] for name, value in metrics.items())
+    with MetricWriter(tmp_path, resume_step=3) as writer, pytest.raises(ValueError, match="accept_rate@0"):
+        writer.write(4, {"train/accept_rate@0": 0.5})
 
 
 def test_rejects_non_scalars_and_the_step_key(tmp_path):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.train.test_metrics_writer import read_events
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -61,6 +63,9 @@ def test_relative_paths_quiet_train_and_follow_up_commands(tmp_path):
     assert f"checkpoint {workdir}/checkpoints/6" in shown
     assert f"python -m dspark_jax.speculate --checkpoint={workdir}" in shown
     assert f"tensorboard --logdir={workdir}/tensorboard" in shown
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    (events,) = (workdir / "tensorboard").glob("events.out.tfevents.*")
+    assert set(read_events(events)) == {key for line in lines for key in line} - {"step"}
     log = (workdir / "train.log").read_text()
     assert "orbax" in log and "conversation" in log  # library logs and per-item messages live here
 

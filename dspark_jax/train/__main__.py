@@ -23,9 +23,10 @@ from pathlib import Path
 
 import jax
 from absl import flags
+from etils import epath
 
 from dspark_jax.cli import REPO_ROOT, config_value, define_config_flag, define_path_flag, log_to_file, run
-from dspark_jax.train.loop import SUMMARY_FILE, Preempted, train
+from dspark_jax.train.loop import SUMMARY_FILE, Preempted, check_workdir, train
 from dspark_jax.train.progress import format_duration
 
 log = logging.getLogger("dspark_jax.train")
@@ -85,6 +86,7 @@ def main(argv):
         jax.distributed.initialize()
     config = config_value(_CONFIG)
     workdir = _WORKDIR.value or str(REPO_ROOT / "workdirs" / f"{config.experiment}-{config.preset}")
+    check_workdir(epath.Path(workdir), config, _ALLOW_CHANGED.value)  # before anything is written there
     log_to_file(Path(workdir) / LOG_FILE)
     log.info("experiment %s, preset %s, workdir %s", config.experiment, config.preset, workdir)
     try:

@@ -141,7 +141,7 @@ def test_a_kill_right_after_a_save_keeps_that_steps_eval(cache_dir, tmp_path, mo
     nothing, and the resumed run does not log it twice."""
 
     class Killed(BaseException):
-        pass
+        """The process dying right after the save."""
 
     original = Checkpointer.save
 

@@ -1,15 +1,12 @@
-"""What the benchmark scripts share: the repository on `sys.path` and experiment configs by file."""
+"""What the benchmark scripts share: experiment configs by file (scripts put the repository on `sys.path`)."""
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def load_config_module(path: str) -> ModuleType:

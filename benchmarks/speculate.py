@@ -12,6 +12,10 @@ speedups are only meaningful with a trained draft (`python -m dspark_jax.train`)
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_config_module
 from dspark_jax import sharding

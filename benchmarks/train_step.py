@@ -1,22 +1,30 @@
 """Training step time and tokens/s of the demo and smoke presets, and blocked vs dense block attention.
 
-  python benchmarks/train_step.py [--steps=5] [--presets=smoke,demo] [--config=configs/baseline.py]
+  python benchmarks/train_step.py [--steps=5] [--presets=smoke,demo] [--config=configs/baseline.py] \
+      [--overrides=train.global_batch=4,train.grad_accum=1]
 
 Step timing uses synthetic batches with each preset's exact shapes (values do not change
-the work), so no cache is needed. The attention comparison runs forward + backward of the
-chunked XLA block attention and of the dense masked reference at a mid-size shape and
-prints time, XLA temp memory and their ratios.
+the work), so no cache is needed; `paper` uses the seed's target shape without its weights.
+`--overrides` sets config keys (`section.key=value`, comma-separated) for every preset, e.g. one
+micro-batch per step to time the paper micro-step on one accelerator. The attention comparison
+runs forward + backward of the chunked XLA block attention and of the dense masked reference at a
+mid-size shape and prints time, XLA temp memory and their ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_config_module
 from dspark_jax import experiments, sharding
@@ -31,13 +39,27 @@ from dspark_jax.train import step as step_lib
 
 
 def preset_target(config) -> TargetConfig:
-    if config.target.random_init:
+    """The target shape of a preset: its `arch` for random and paper targets, else the checkpoint's."""
+    if config.target.random_init or (config.preset == "paper" and not config.target.path):
         return TargetConfig.from_json(config.target.arch.to_dict())
-    return load_checkpoint(default_target_path()).config
+    return load_checkpoint(config.target.path or default_target_path()).config
 
 
-def time_step(config_module, preset: str, steps: int) -> dict[str, float]:
-    config = config_module.get_config(preset)
+def apply_overrides(config, overrides: str):
+    """`section.key=value,...` set on a config (values parsed as Python literals when they are)."""
+    for item in filter(None, overrides.split(",")):
+        name, _, text = item.partition("=")
+        section, key = name.split(".")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        config[section][key] = value
+    return config
+
+
+def time_step(config_module, preset: str, steps: int, overrides: str = "") -> dict[str, float]:
+    config = apply_overrides(config_module.get_config(preset), overrides)
     experiment = experiments.get(config.experiment)
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     target = preset_target(config)
@@ -48,8 +70,10 @@ def time_step(config_module, preset: str, steps: int) -> dict[str, float]:
     key = jax.random.split(jax.random.key(0))
     frozen = jax.device_put(
         FrozenTarget(
-            0.02 * jax.random.normal(key[0], (target.vocab_size, target.hidden_size)),
-            0.02 * jax.random.normal(key[1], (target.hidden_size, target.vocab_size)),
+            0.02
+            * jax.random.normal(key[0], (target.vocab_size, target.hidden_size), config.target.param_dtype),
+            0.02
+            * jax.random.normal(key[1], (target.hidden_size, target.vocab_size), config.target.param_dtype),
         ),
         replicated,
     )
@@ -123,12 +147,13 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--presets", default="smoke,demo")
     parser.add_argument("--config", default="configs/baseline.py", help="experiment config file")
+    parser.add_argument("--overrides", default="", help="section.key=value,... for every preset")
     args = parser.parse_args()
     config_module = load_config_module(args.config)
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}")
     print(f"{'preset':8s} {'step s':>10s} {'tokens/s':>12s} {'samples/s':>10s}")
     for preset in args.presets.split(","):
-        r = time_step(config_module, preset, args.steps)
+        r = time_step(config_module, preset, args.steps, args.overrides)
         step_s, tok_s, smp_s = r["step_seconds"], r["tokens_per_second"], r["samples_per_second"]
         print(f"{preset:8s} {step_s:10.3f} {tok_s:12.0f} {smp_s:10.2f}")
     att = attention_comparison()

@@ -136,3 +136,25 @@ def test_mismatching_target_names_the_first_bad_key_path(tmp_path, edit, message
         with pytest.raises(ValueError, match=message) as info:
             ckpt.restore(3, target)
     assert str(tmp_path / "3") in str(info.value)
+
+
+def test_restore_params_reads_only_the_params(tmp_path, mesh8):
+    """Inference restores the parameters alone, into another sharding, without building optimizer state."""
+    state = _train_state(mesh8)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(2, state, meta={"step": 2}, force=True)
+    abstract_params = _abstract({"params": state["params"]}, mesh8, flip=True)["params"]
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.meta(2) == {"step": 2}
+        params = ckpt.restore_params(None, abstract_params)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(state["params"])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.sharding.spec == _spec(got.ndim, True)
+    bad = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((*x.shape[:-1], x.shape[-1] + 1), x.dtype), abstract_params
+    )
+    with (
+        Checkpointer(tmp_path / "ckpt") as ckpt,
+        pytest.raises(ValueError, match=r"has shape .* in the checkpoint"),
+    ):
+        ckpt.restore_params(2, bad)

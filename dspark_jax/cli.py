@@ -80,21 +80,32 @@ def checkpoint_config(flag, checkpoint: str):
 
 
 class SamplingFlags:
-    """`--temperature`, `--top_p` and `--seed`, each overriding the config when given."""
+    """`--temperature`, `--top_p`, `--seed` and `--max_new_tokens`, each overriding the config when given."""
 
     def __init__(self):
         self._temperature = flags.DEFINE_float("temperature", None, "Overrides config.generate.temperature.")
         self._top_p = flags.DEFINE_float("top_p", None, "Overrides config.generate.top_p.")
         self._seed = flags.DEFINE_integer("seed", None, "Overrides config.seed.")
+        self._max_new = flags.DEFINE_integer(
+            "max_new_tokens", None, "Overrides config.generate.max_new_tokens."
+        )
 
-    def resolve(self, config) -> tuple[SamplingParams, int]:
-        """`(sampling, seed)` from the flags, falling back to `config.generate` and `config.seed`."""
+    def check(self) -> None:
+        """Refuses given values that cannot work, before any config or model is read."""
+        given = self._max_new.value
+        check_flags(max_new_tokens=(given is None or given >= 1, f"must be >= 1, got {given}"))
+
+    def resolve(self, config) -> tuple[SamplingParams, int, int]:
+        """`(sampling, seed, max_new_tokens)` from the flags, falling back to `config.generate` and
+        `config.seed`."""
         pick = lambda flag, default: default if flag.value is None else flag.value
         params = SamplingParams(
             temperature=pick(self._temperature, config.generate.temperature),
             top_p=pick(self._top_p, config.generate.top_p),
         )
-        return params, pick(self._seed, config.seed)
+        max_new = pick(self._max_new, config.generate.max_new_tokens)
+        check_flags(max_new_tokens=(max_new >= 1, f"must be >= 1, got {max_new}"))
+        return params, pick(self._seed, config.seed), max_new
 
 
 def config_overrides(argv: Sequence[str]) -> tuple[str | None, list[str]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from absl import flags, logging
+from absl import logging
 
 from dspark_jax import sharding
 from dspark_jax.cli import SamplingFlags, check_flags, config_value, define_config_flag, define_path_flag, run
@@ -24,18 +24,15 @@ from dspark_jax.target.generate import Generator, generate_replies
 _CONFIG = define_config_flag()
 _INPUT = define_path_flag("input", None, "JSONL of {'turns': [...]} prompts.", required=True)
 _OUTPUT = define_path_flag("output", None, "Output JSONL path.", required=True)
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Overrides config.generate.max_new_tokens.")
 _SAMPLING = SamplingFlags()
 
 
 def main(argv):
     del argv
+    _SAMPLING.check()
     config = config_value(_CONFIG)
-    gen = config.generate
-    params, seed = _SAMPLING.resolve(config)
-    max_new = gen.max_new_tokens if _MAX_NEW.value is None else _MAX_NEW.value
+    params, seed, max_new = _SAMPLING.resolve(config)
     check_flags(
-        max_new_tokens=(max_new >= 1, f"must be >= 1, got {max_new}"),
         input=(Path(_INPUT.value).exists(), f"{_INPUT.value} does not exist"),
     )
     conversations = read_turns_jsonl(_INPUT.value)
@@ -46,8 +43,8 @@ def main(argv):
         target.model,
         eos_ids=target.eos_ids,
         pad_id=target.tokenizer.pad_id,
-        batch_size=gen.batch_size,
-        padding=gen.padding,
+        batch_size=config.generate.batch_size,
+        padding=config.generate.padding,
         mesh=mesh,
     )
     results = generate_replies(

@@ -27,7 +27,6 @@ _CONFIG = define_config_flag()
 _INPUT = flags.DEFINE_string("input", None, "'sharegpt' or a conversation file.", required=True)
 _OUTPUT = define_path_flag("output", None, "Output JSONL path (resumed if it exists).", required=True)
 _LIMIT = flags.DEFINE_integer("limit", None, "Use only the first N usable conversations.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Overrides config.generate.max_new_tokens.")
 _MAX_PROMPT = flags.DEFINE_integer("max_prompt_tokens", None, "Prompt cap per turn; default: the context.")
 _CHUNK = flags.DEFINE_integer("chunk_size", 64, "Conversations per durable write.")
 _SAMPLING = SamplingFlags()
@@ -35,12 +34,10 @@ _SAMPLING = SamplingFlags()
 
 def main(argv):
     del argv
+    _SAMPLING.check()
     config = config_value(_CONFIG)
-    gen = config.generate
-    params, seed = _SAMPLING.resolve(config)
-    max_new = gen.max_new_tokens if _MAX_NEW.value is None else _MAX_NEW.value
+    params, seed, max_new = _SAMPLING.resolve(config)
     check_flags(
-        max_new_tokens=(max_new >= 1, f"must be >= 1, got {max_new}"),
         chunk_size=(_CHUNK.value >= 1, f"must be >= 1, got {_CHUNK.value}"),
     )
     loaded = load_conversations(_INPUT.value, limit=_LIMIT.value)
@@ -56,10 +53,10 @@ def main(argv):
         max_new_tokens=max_new,
         params=params,
         seed=seed,
-        batch_size=gen.batch_size,
+        batch_size=config.generate.batch_size,
         chunk_size=_CHUNK.value,
         max_prompt_tokens=_MAX_PROMPT.value,
-        padding=gen.padding,
+        padding=config.generate.padding,
         mesh=mesh,
     )
     print(

@@ -6,8 +6,8 @@
 
 `--checkpoint` takes a training work directory (its latest checkpoint) or one checkpoint's
 directory; the run's stored config is used unless `--config` is given (it must agree with the
-stored one on every key that shapes the draft). Sampling defaults to the config's `generate`
-section (greedy). The input defaults to the packaged GSM8K-256 prompts. The same prompts are also
+stored one on every key that shapes the draft). Sampling and the reply cap default to the config's
+`generate` section (greedy). The input defaults to the packaged GSM8K-256 prompts. The same prompts are also
 decoded by the target alone (same sampling, concurrency and max length) for the speedup,
 and at temperature 0 the two outputs are compared token for token. `--offline` adds the
 teacher-forced metrics (tau_prob, accept_rate_i) of the same checkpoint on the validation
@@ -42,7 +42,6 @@ _CHECKPOINT = define_path_flag("checkpoint", None, "Training work directory or c
 _INPUT = define_path_flag("input", str(GSM8K_VAL256), "JSONL of {'turns': [...]} prompts.")
 _OUTPUT = define_path_flag("output", None, "Output JSON (report + per-request replies).")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 1, "Requests decoded together.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 256, "Generation cap per turn.")
 _LIMIT = flags.DEFINE_integer("limit", 0, "Use only the first N conversations (0 = all).")
 _SAMPLING = SamplingFlags()
 _OFFLINE = flags.DEFINE_bool("offline", False, "Also report offline tau_prob on the validation cache.")
@@ -50,14 +49,14 @@ _OFFLINE = flags.DEFINE_bool("offline", False, "Also report offline tau_prob on 
 
 def main(argv):
     del argv
+    _SAMPLING.check()
     check_flags(
-        max_new_tokens=(_MAX_NEW.value >= 1, f"must be >= 1, got {_MAX_NEW.value}"),
         concurrency=(_CONCURRENCY.value >= 1, f"must be >= 1, got {_CONCURRENCY.value}"),
         limit=(_LIMIT.value >= 0, f"must be >= 0 (0 = all), got {_LIMIT.value}"),
         input=(epath.Path(_INPUT.value).exists(), f"{_INPUT.value} does not exist"),
     )
     config = checkpoint_config(_CONFIG, _CHECKPOINT.value)
-    sampling, seed = _SAMPLING.resolve(config)
+    sampling, seed, max_new = _SAMPLING.resolve(config)
     mesh = sharding.make_mesh(config.mesh.to_dict())
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
     draft = components.restore_draft(config, target.config, mesh, _CHECKPOINT.value)
@@ -66,7 +65,7 @@ def main(argv):
     decoder = components.speculative_decoder(
         config, target, draft[:3], batch_size=_CONCURRENCY.value, mesh=mesh
     )
-    reply_kw = dict(max_new_tokens=_MAX_NEW.value, params=sampling, seed=seed)
+    reply_kw = dict(max_new_tokens=max_new, params=sampling, seed=seed)
     spec = generate_replies(decoder, target.tokenizer, target.chat_template, conversations, **reply_kw)
     baseline = decoder.target_only()
     plain = generate_replies(baseline, target.tokenizer, target.chat_template, conversations, **reply_kw)
@@ -84,7 +83,7 @@ def main(argv):
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "concurrency": _CONCURRENCY.value,
-            "max_new_tokens": _MAX_NEW.value,
+            "max_new_tokens": max_new,
             "proposals_per_cycle": decoder.block_size,
             "conversations": len(conversations),
             "input": _INPUT.value,

@@ -1,7 +1,7 @@
 """Training step time and tokens/s of the demo and smoke presets, and blocked vs dense block attention.
 
   python benchmarks/train_step.py [--steps=5] [--presets=smoke,demo] [--config=configs/baseline.py] \
-      [--overrides=train.global_batch=4,train.grad_accum=1]
+      [--overrides=train.global_batch=4,train.grad_accum=1] [--shape_only]
 
 Step timing uses synthetic batches with each preset's exact shapes (values do not change
 the work), so no cache is needed; `paper` uses the seed's target shape without its weights.
@@ -38,9 +38,10 @@ from dspark_jax.train import components
 from dspark_jax.train import step as step_lib
 
 
-def preset_target(config) -> TargetConfig:
-    """The target shape of a preset: its `arch` for random and paper targets, else the checkpoint's."""
-    if config.target.random_init or (config.preset == "paper" and not config.target.path):
+def preset_target(config, shape_only: bool = False) -> TargetConfig:
+    """The target shape of a preset: its `arch` for random and paper targets (or with `shape_only`), else
+    the checkpoint's."""
+    if shape_only or config.target.random_init or (config.preset == "paper" and not config.target.path):
         return TargetConfig.from_json(config.target.arch.to_dict())
     return load_checkpoint(config.target.path or default_target_path()).config
 
@@ -58,11 +59,13 @@ def apply_overrides(config, overrides: str):
     return config
 
 
-def time_step(config_module, preset: str, steps: int, overrides: str = "") -> dict[str, float]:
+def time_step(
+    config_module, preset: str, steps: int, overrides: str = "", shape_only: bool = False
+) -> dict[str, float]:
     config = apply_overrides(config_module.get_config(preset), overrides)
     experiment = experiments.get(config.experiment)
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-    target = preset_target(config)
+    target = preset_target(config, shape_only)
     graphdef, params, rest = components.init_draft(config, target, mesh)
     _, optimizer = components.make_training_optimizer(config, params)
     opt_state = jax.jit(optimizer.init)(params)
@@ -148,12 +151,13 @@ def main():
     parser.add_argument("--presets", default="smoke,demo")
     parser.add_argument("--config", default="configs/baseline.py", help="experiment config file")
     parser.add_argument("--overrides", default="", help="section.key=value,... for every preset")
+    parser.add_argument("--shape_only", action="store_true", help="target shape from target.arch (no GGUF)")
     args = parser.parse_args()
     config_module = load_config_module(args.config)
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}")
     print(f"{'preset':8s} {'step s':>10s} {'tokens/s':>12s} {'samples/s':>10s}")
     for preset in args.presets.split(","):
-        r = time_step(config_module, preset, args.steps, args.overrides)
+        r = time_step(config_module, preset, args.steps, args.overrides, args.shape_only)
         step_s, tok_s, smp_s = r["step_seconds"], r["tokens_per_second"], r["samples_per_second"]
         print(f"{preset:8s} {step_s:10.3f} {tok_s:12.0f} {smp_s:10.2f}")
     att = attention_comparison()

@@ -16,7 +16,8 @@ Keys:
   target.name               human-readable target name (reports only).
   target.random_init        build a random target of shape `target.arch` (tests and smoke runs; the
                             tokenizer still comes from `target.path`).
-  target.arch.*             TargetConfig fields used when `random_init` is set.
+  target.arch.*             the target's shape (TargetConfig fields): built when `random_init` is set, and
+                            used by shape-only tools (check_memory, benchmarks --shape_only).
   target.param_dtype        storage dtype of target weights ('float32' or 'bfloat16').
   target.dtype              compute dtype of target activations.
   mesh.data/fsdp/tensor     mesh axis sizes; one may be -1 to take the remaining devices.
@@ -90,6 +91,23 @@ SMOKE_TARGET = dict(
     bos_token_id=1,
     eos_token_ids=(2,),
 )
+# The embedded default target's shape (SmolLM2-135M-Instruct; shape-only tools need no GGUF).
+DEMO_TARGET = dict(
+    family="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
 # The seed's target as far as the draft needs it (AOT memory checks without weights).
 PAPER_TARGET = dict(
     family="qwen3",
@@ -125,7 +143,9 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
         preset
     ]
     c.target.random_init = smoke
-    c.target.arch = config_dict.ConfigDict(SMOKE_TARGET if smoke else PAPER_TARGET)
+    c.target.arch = config_dict.ConfigDict(
+        {"paper": PAPER_TARGET, "demo": DEMO_TARGET, "smoke": SMOKE_TARGET}[preset]
+    )
     c.target.param_dtype = "bfloat16" if preset == "paper" else "float32"
     c.target.dtype = "bfloat16" if preset == "paper" else "float32"
 

@@ -48,3 +48,13 @@ def test_jit_init_matches_eager_init_and_follows_the_config_rules(mesh8):
     _, params, _ = components.init_draft(config, target, mesh8)
     spec = params["layers"][0]["mlp"]["gate"]["kernel"].get_value().sharding.spec
     assert spec == jax.sharding.PartitionSpec(None, "tensor")
+
+
+def test_demo_arch_is_the_embedded_target_shape():
+    """`target.arch` of the demo preset (used by shape-only tools) is the packaged SmolLM2's shape."""
+    from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
+
+    want = load_checkpoint(default_target_path()).config.to_json()
+    got = TargetConfig.from_json(baseline.get_config("demo").target.arch.to_dict()).to_json()
+    assert got == {**want, "rms_norm_eps": got["rms_norm_eps"]}
+    assert got["rms_norm_eps"] == pytest.approx(want["rms_norm_eps"])

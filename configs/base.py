@@ -75,22 +75,6 @@ from ml_collections import config_dict
 
 from dspark_jax import sharding
 
-SMOKE_TARGET = dict(
-    family="llama",
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-    bos_token_id=1,
-    eos_token_ids=(2,),
-)
 # The embedded default target's shape (SmolLM2-135M-Instruct; shape-only tools need no GGUF).
 DEMO_TARGET = dict(
     family="llama",
@@ -107,6 +91,10 @@ DEMO_TARGET = dict(
     max_position_embeddings=8192,
     bos_token_id=1,
     eos_token_ids=(2,),
+)
+# A tiny random target with SmolLM2's vocabulary (and tokenizer), for tests and smoke runs.
+SMOKE_TARGET = dict(
+    DEMO_TARGET, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16
 )
 # The seed's target as far as the draft needs it (AOT memory checks without weights).
 PAPER_TARGET = dict(

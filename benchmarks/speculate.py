@@ -1,7 +1,11 @@
 """Speculative decoding cycle latency (draft / selection / verify) and tokens/s vs target-only decoding.
 
   python benchmarks/speculate.py [--checkpoint=WORKDIR | --config=configs/baseline.py] [--prompts=16] \
-      [--concurrency=1] [--max_new_tokens=64]
+      [--concurrency=1] [--max_new_tokens=64] [--select_top_k=0,64]
+
+One row per selection rule (`--select_top_k`: 0 = the Markov correction over the whole vocabulary, K =
+over each slot's K best base logits): cycle phases, break-even MAL (cycle time / target-only decode
+step), MAL, tokens/s, speedup, and how many outputs equal target-only decoding's.
 
 Runs on the demo target (SmolLM2). With `--checkpoint` the run's stored config picks the
 experiment group and draft shape; without it the draft of `--config`'s demo preset is
@@ -13,7 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -25,7 +34,29 @@ from dspark_jax.inference.timing import time_cycle_phases
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import prompt_ids
 from dspark_jax.target.generate import GenerationStats, SamplingParams
+from dspark_jax.target.model import KVCache
 from dspark_jax.train import components
+
+
+def target_forward_ms(target, rows: int, context: int, tokens: int, repeats: int = 10) -> float:
+    """Milliseconds of one target forward of `tokens` new tokens per row (with their logits) on a KV
+    cache holding `context` tokens: 1 token is a decode step, `S + 1` a verification's forward."""
+    graphdef, state = nnx.split(target.model)
+    cache = KVCache.zeros(target.config, rows, context + tokens, target.model.dtype)
+    cache = cache._replace(end_B=jnp.full((rows,), context, jnp.int32))
+    tokens_BxT = jnp.zeros((rows, tokens), jnp.int32)
+
+    @jax.jit
+    def forward(state, cache, tokens_BxT):
+        model = nnx.merge(graphdef, state)
+        out = model(tokens_BxT, cache=cache)
+        return model.logits(out.hidden_BxTxH)
+
+    jax.block_until_ready(forward(state, cache, tokens_BxT))
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(forward(state, cache, tokens_BxT))
+    return 1e3 * (time.perf_counter() - begin) / repeats
 
 
 def main():
@@ -38,6 +69,11 @@ def main():
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--select_top_k",
+        default="0,64",
+        help="selection candidates per slot to compare (0 = full vocabulary)",
+    )
     args = parser.parse_args()
     if args.checkpoint:
         config = components.run_config(args.checkpoint)
@@ -55,29 +91,48 @@ def main():
         for c in conversations
     ]
     sampling = SamplingParams(temperature=args.temperature)
-    decoder = components.speculative_decoder(config, target, draft, batch_size=args.concurrency, mesh=mesh)
-    plain = decoder.target_only()
-    for runner in (decoder, plain):  # warm up: compile every prompt bucket
-        runner.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
-    decoder.report, plain.stats = SpecReport(), GenerationStats()  # keep the compiled programs, reset counts
-    decoder.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
-    plain.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
-    spec, base = decoder.report.as_dict(), plain.stats.as_dict()
-    phases = time_cycle_phases(decoder, prompts, max_new_tokens=args.max_new_tokens, params=sampling)
+    plain = None
+    rows = []
+    for top_k in (int(k) for k in args.select_top_k.split(",")):
+        decoder = components.speculative_decoder(
+            config, target, draft, batch_size=args.concurrency, mesh=mesh, select_top_k=top_k
+        )
+        if plain is None:
+            plain = decoder.target_only()
+            plain.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)  # compile
+            plain.stats = GenerationStats()
+            reference = plain.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
+            base = plain.stats.as_dict()
+        decoder.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)  # compile
+        decoder.report = SpecReport()  # keep the compiled programs, reset counts
+        outputs = decoder.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
+        spec = decoder.report.as_dict()
+        phases = time_cycle_phases(decoder, prompts, max_new_tokens=args.max_new_tokens, params=sampling)
+        rows.append((top_k, phases, spec, sum(a == b for a, b in zip(outputs, reference))))
     draft_kind = f"trained ({args.checkpoint})" if args.checkpoint else "random init"
+    decode_ms = 1e3 * args.concurrency / base["tokens_per_second"]
     print(
         f"SmolLM2 target, draft {draft_kind}, {len(prompts)} GSM8K prompts, concurrency {args.concurrency}, "
         f"max_new {args.max_new_tokens}, temperature {args.temperature}"
     )
+    print(f"target-only: {base['tokens_per_second']:.1f} tokens/s, {decode_ms:.1f} ms per decode step")
+    one, block = (target_forward_ms(target, args.concurrency, 256, n) for n in (1, decoder.block_size + 1))
     print(
-        f"cycle: draft {phases['draft_ms']:.1f} ms | selection {phases['select_ms']:.1f} ms | "
-        f"verify {phases['verify_ms']:.1f} ms | total {phases['cycle_ms']:.1f} ms"
+        f"target forward with logits on 256 cached tokens: 1 token {one:.1f} ms, {decoder.block_size + 1} "
+        f"tokens {block:.1f} ms = {block / one:.2f} decode steps (the verification floor)"
     )
-    print(f"MAL pooled {spec['mal_pooled']:.2f}, per request {spec['mal_per_request']:.2f}")
-    print(f"{'':14s} {'tokens/s':>10s}")
-    print(f"{'speculative':14s} {spec['tokens_per_second']:10.1f}")
-    print(f"{'target-only':14s} {base['tokens_per_second']:10.1f}")
-    print(f"speedup {spec['tokens_per_second'] / base['tokens_per_second']:.2f}x")
+    print(
+        f"{'selection':>12s} {'draft ms':>9s} {'select ms':>10s} {'verify ms':>10s} {'cycle ms':>9s} "
+        f"{'break-even MAL':>15s} {'MAL':>6s} {'tokens/s':>9s} {'speedup':>8s} {'= target-only':>14s}"
+    )
+    for top_k, phases, spec, same in rows:
+        name = "full vocab" if top_k == 0 else f"top-{top_k}"
+        print(
+            f"{name:>12s} {phases['draft_ms']:9.1f} {phases['select_ms']:10.1f} {phases['verify_ms']:10.1f} "
+            f"{phases['cycle_ms']:9.1f} {phases['cycle_ms'] / decode_ms:15.2f} {spec['mal_pooled']:6.2f} "
+            f"{spec['tokens_per_second']:9.1f} {spec['tokens_per_second'] / base['tokens_per_second']:7.2f}x "
+            f"{same:>9d}/{len(prompts)}"
+        )
 
 
 if __name__ == "__main__":

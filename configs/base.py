@@ -1,4 +1,4 @@
-"""Base configuration: the seed's table (the paper setting), plus the `demo` and `smoke` presets.
+"""Base configuration: the seed's table (the paper setting), plus the `demo`, `accel` and `smoke` presets.
 
 Experiment configs (`configs/baseline.py`, ...) call `get_config(preset)` and add their own
 keys. Presets:
@@ -7,6 +7,9 @@ keys. Presets:
          global batch 512 = 4 devices x micro-batch 4 x accumulation 32, 26,040-step schedule
          stopping at 2,604, checkpoint every 651, bf16 compute, seed 42.
   demo   the embedded default target SmolLM2-135M-Instruct with a ShareGPT demo cache, CPU, minutes.
+  accel  the same target and draft on one accelerator (one GPU or one TPU host): 4,000 regenerated
+         ShareGPT conversations, packed rows of 2,048 tokens, 2,000 steps; sized for about 15
+         minutes (`benchmarks/accel_demo.py` runs it end to end).
   smoke  a tiny randomly initialised target with SmolLM2's tokenizer; seconds on CPU.
 
 Keys:
@@ -28,6 +31,9 @@ Keys:
   generate.temperature      0 = greedy.
   generate.top_p            nucleus sampling mass.
   generate.padding          'left' or 'right' prompt alignment.
+  generate.select_top_k     speculative decoding: each draft token is chosen among its slot's K best base
+                            logits, the Markov correction computed for those K only (0 = the whole
+                            vocabulary, as in training; lossless either way).
   data.cache_dir            root of the caches and regenerated replies; '' = $DSPARK_JAX_CACHE or
                             ~/.cache/dspark_jax, then `<preset>/<target fingerprint>` below it.
   data.train_cache          an existing cache to train on (dspark_jax or DeepSpec v2 format, local or
@@ -38,7 +44,9 @@ Keys:
   data.val_source           validation prompts; '' = the packaged GSM8K-256.
   data.val_limit            first N validation prompts (0 = all).
   data.aux_layer_ids        target layers cached as draft context (-1 = embedding output).
-  data.max_length           tokens per sample (prompt + response); longer samples are truncated.
+  data.max_length           tokens per row (prompt + response); longer samples are truncated.
+  data.pack                 pack several whole samples per row (each block sees only its own sample's
+                            context; `train.global_batch` and `train.num_anchors` then count rows).
   data.num_shards           cache shards (parallel build units; fixed per cache).
   data.regen_max_new_tokens reply length cap when the target regenerates replies.
   data.regen_max_prompt_tokens  prompt length cap per regenerated turn.
@@ -54,6 +62,8 @@ Keys:
   draft.dtype               compute dtype ('bfloat16' on accelerators, 'float32' on CPU).
   draft.attention           block attention implementation ('xla' or 'reference').
   draft.anchor_chunk        blocks per chunk in block attention and in the vocabulary-sized loss.
+  draft.remat               recompute each chunk in the backward pass (memory-bounded) instead of keeping
+                            its activations (one forward less; the CPU presets' choice).
   train.num_anchors         anchors drawn per sample (512).
   train.global_batch        samples per optimizer step, all devices and micro-batches (512).
   train.grad_accum          micro-batches per optimizer step (32).
@@ -113,13 +123,13 @@ PAPER_TARGET = dict(
     max_position_embeddings=40960,
     eos_token_ids=(151645,),
 )
-PRESETS = ("paper", "demo", "smoke")
+PRESETS = ("paper", "demo", "accel", "smoke")
 
 
 def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
-    demo, smoke = preset == "demo", preset == "smoke"
+    smoke = preset == "smoke"
     c = config_dict.ConfigDict()
     c.experiment = "baseline"
     c.preset = preset
@@ -127,12 +137,15 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
 
     c.target = config_dict.ConfigDict()
     c.target.path = ""
-    c.target.name = {"paper": "Qwen3.8-Flash-Next", "demo": "SmolLM2-135M-Instruct", "smoke": "random"}[
-        preset
-    ]
+    c.target.name = {
+        "paper": "Qwen3.8-Flash-Next",
+        "demo": "SmolLM2-135M-Instruct",
+        "accel": "SmolLM2-135M-Instruct",
+        "smoke": "random",
+    }[preset]
     c.target.random_init = smoke
     c.target.arch = config_dict.ConfigDict(
-        {"paper": PAPER_TARGET, "demo": DEMO_TARGET, "smoke": SMOKE_TARGET}[preset]
+        {"paper": PAPER_TARGET, "demo": DEMO_TARGET, "accel": DEMO_TARGET, "smoke": SMOKE_TARGET}[preset]
     )
     c.target.param_dtype = "bfloat16" if preset == "paper" else "float32"
     c.target.dtype = "bfloat16" if preset == "paper" else "float32"
@@ -142,60 +155,68 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.sharding.rules = sharding.DEFAULT_RULES
 
     c.generate = config_dict.ConfigDict()
-    c.generate.batch_size = 8
+    c.generate.batch_size = 64 if preset == "accel" else 8
     c.generate.max_new_tokens = 16 if smoke else 256
     c.generate.temperature = 0.0
     c.generate.top_p = 1.0
     c.generate.padding = "left"
+    c.generate.select_top_k = 0
 
     c.data = config_dict.ConfigDict()
     c.data.cache_dir = ""
     c.data.train_cache = ""
     c.data.val_cache = ""
     c.data.train_source = "sharegpt"
-    c.data.train_limit = {"paper": 0, "demo": 300, "smoke": 6}[preset]
+    c.data.train_limit = {"paper": 0, "demo": 300, "accel": 4000, "smoke": 6}[preset]
     c.data.val_source = ""
-    c.data.val_limit = {"paper": 256, "demo": 256, "smoke": 4}[preset]
-    c.data.aux_layer_ids = {"paper": (45, 46, 47), "demo": (27, 28, 29), "smoke": (1, 2, 3)}[preset]
-    c.data.max_length = {"paper": 4096, "demo": 1024, "smoke": 256}[preset]
-    c.data.num_shards = {"paper": 256, "demo": 4, "smoke": 2}[preset]
-    c.data.regen_max_new_tokens = {"paper": 2048, "demo": 128, "smoke": 8}[preset]
-    c.data.regen_max_prompt_tokens = {"paper": 2048, "demo": 256, "smoke": 128}[preset]
-    c.data.regen_batch_size = {"paper": 64, "demo": 32, "smoke": 4}[preset]
-    c.data.regen_max_turns = {"paper": 64, "demo": 1, "smoke": 2}[preset]
+    c.data.val_limit = {"paper": 256, "demo": 256, "accel": 256, "smoke": 4}[preset]
+    c.data.aux_layer_ids = {
+        "paper": (45, 46, 47),
+        "demo": (27, 28, 29),
+        "accel": (27, 28, 29),
+        "smoke": (1, 2, 3),
+    }[preset]
+    c.data.max_length = {"paper": 4096, "demo": 1024, "accel": 2048, "smoke": 256}[preset]
+    c.data.pack = preset == "accel"
+    c.data.num_shards = {"paper": 256, "demo": 4, "accel": 16, "smoke": 2}[preset]
+    c.data.regen_max_new_tokens = {"paper": 2048, "demo": 128, "accel": 256, "smoke": 8}[preset]
+    c.data.regen_max_prompt_tokens = {"paper": 2048, "demo": 256, "accel": 512, "smoke": 128}[preset]
+    c.data.regen_batch_size = {"paper": 64, "demo": 32, "accel": 256, "smoke": 4}[preset]
+    c.data.regen_max_turns = {"paper": 64, "demo": 1, "accel": 1, "smoke": 2}[preset]
     c.data.worker_count = 0
 
     c.draft = config_dict.ConfigDict()
     c.draft.num_layers = 3
-    c.draft.num_heads = {"paper": 24, "demo": 8, "smoke": 4}[preset]
+    c.draft.num_heads = {"paper": 24, "demo": 8, "accel": 8, "smoke": 4}[preset]
     c.draft.num_kv_heads = 2
-    c.draft.head_dim = {"paper": 256, "demo": 64, "smoke": 16}[preset]
-    c.draft.intermediate_size = {"paper": 9728, "demo": 1536, "smoke": 128}[preset]
+    c.draft.head_dim = {"paper": 256, "demo": 64, "accel": 64, "smoke": 16}[preset]
+    c.draft.intermediate_size = {"paper": 9728, "demo": 1536, "accel": 1536, "smoke": 128}[preset]
     c.draft.block_size = 7
     c.draft.markov_rank = 32 if smoke else 256
     c.draft.mask_token_id = 151669 if preset == "paper" else -1
     c.draft.param_dtype = "float32"
-    c.draft.dtype = "bfloat16" if preset == "paper" else "float32"
+    c.draft.dtype = "bfloat16" if preset in ("paper", "accel") else "float32"
     c.draft.attention = "xla"
-    c.draft.anchor_chunk = 16 if preset == "paper" else 8
+    c.draft.anchor_chunk = 16 if preset in ("paper", "accel") else 8
+    c.draft.remat = preset == "paper"
 
     c.train = config_dict.ConfigDict()
-    c.train.num_anchors = {"paper": 512, "demo": 32, "smoke": 8}[preset]
-    c.train.global_batch = {"paper": 512, "demo": 4, "smoke": 2}[preset]
-    c.train.grad_accum = {"paper": 32, "demo": 1, "smoke": 1}[preset]
-    c.train.total_steps = {"paper": 26040, "demo": 300, "smoke": 6}[preset]
-    c.train.stop_step = {"paper": 2604, "demo": 300, "smoke": 6}[preset]
-    c.train.peak_lr = 1e-3 if demo else 3e-4
+    c.train.num_anchors = {"paper": 512, "demo": 32, "accel": 192, "smoke": 8}[preset]
+    c.train.global_batch = {"paper": 512, "demo": 4, "accel": 8, "smoke": 2}[preset]
+    c.train.grad_accum = {"paper": 32, "demo": 1, "accel": 1, "smoke": 1}[preset]
+    c.train.total_steps = {"paper": 26040, "demo": 300, "accel": 2000, "smoke": 6}[preset]
+    c.train.stop_step = {"paper": 2604, "demo": 300, "accel": 2000, "smoke": 6}[preset]
+    c.train.peak_lr = {"paper": 3e-4, "demo": 3e-3, "accel": 3e-3, "smoke": 3e-4}[preset]
     c.train.warmup_fraction = 0.04
     c.train.weight_decay = 0.0
     c.train.clip_norm = 1.0
     c.train.b1 = 0.9
     c.train.b2 = 0.999
     c.train.eps = 1e-8
-    c.train.checkpoint_every = {"paper": 651, "demo": 50, "smoke": 3}[preset]
+    c.train.checkpoint_every = {"paper": 651, "demo": 50, "accel": 500, "smoke": 3}[preset]
     c.train.max_to_keep = 3
-    c.train.log_every = {"paper": 10, "demo": 5, "smoke": 1}[preset]
-    c.train.eval_every = {"paper": 651, "demo": 25, "smoke": 3}[preset]
-    c.train.eval_batches = {"paper": 0, "demo": 16, "smoke": 2}[preset]
+    c.train.log_every = {"paper": 10, "demo": 5, "accel": 25, "smoke": 1}[preset]
+    c.train.eval_every = {"paper": 651, "demo": 25, "accel": 250, "smoke": 3}[preset]
+    c.train.eval_batches = {"paper": 0, "demo": 16, "accel": 0, "smoke": 2}[preset]
     c.lock()
     return c

@@ -52,6 +52,7 @@ RESUMABLE_KEYS = (
     "sharding",
     "draft.attention",
     "draft.anchor_chunk",
+    "draft.remat",
     "target.name",
 )
 

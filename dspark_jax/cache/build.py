@@ -226,6 +226,14 @@ def build_cache(
     total = sum(len(layout.shard_sample_range(s)) for s in my_shards)
     bar = tqdm(total=total, desc=f"cache {path}", unit="sample", disable=not progress)
     begin, tokens = time.perf_counter(), 0
+
+    def advance(count: int, batch_tokens: int) -> None:
+        """Progress after each target forward: samples done, tokens/s."""
+        nonlocal tokens
+        tokens += batch_tokens
+        bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - begin):.0f}", refresh=False)
+        bar.update(count)
+
     for shard in my_shards:
         record = read_progress(path, shard)
         if record is not None and record.get("complete"):
@@ -236,7 +244,7 @@ def build_cache(
         bar.update(writer.start_sample - layout.shard_sample_range(shard).start)
         for start in range(todo.start, todo.stop, samples_per_commit):
             indices = range(start, min(start + samples_per_commit, todo.stop))
-            features = extractor([samples.input_ids[i] for i in indices])
+            features = extractor([samples.input_ids[i] for i in indices], on_batch=advance)
             writer.append(
                 [
                     {
@@ -248,9 +256,6 @@ def build_cache(
                     for i, (aux, last) in zip(indices, features)
                 ]
             )
-            tokens += sum(len(samples.input_ids[i]) for i in indices)
-            bar.update(len(indices))
-            bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - begin):.0f}")
         writer.finalize_shard()
     bar.close()
     complete = all((read_progress(path, s) or {}).get("complete") for s in range(spec.num_shards))

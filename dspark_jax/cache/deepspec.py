@@ -272,6 +272,10 @@ class DeepSpecDataSource:
     def __len__(self) -> int:
         return len(self.index)
 
+    def lengths(self) -> np.ndarray:
+        """Tokens of every sample, int64[len(self)], from the index alone."""
+        return self.index["seq_len"].astype(np.int64)
+
     def _shapes(self, t: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         h, a = self.hidden_size, self.num_aux
         return {

@@ -17,27 +17,38 @@ import numpy as np
 ANCHOR_PAD = 0
 
 
-def valid_anchor_positions(loss_mask_T: np.ndarray) -> np.ndarray:
-    """All anchor positions of one sample, ascending: int32[count], `a` with `mask[a] = mask[a+1] = 1`."""
+def valid_anchor_positions(loss_mask_T: np.ndarray, positions_T: np.ndarray | None = None) -> np.ndarray:
+    """All anchor positions of one row, ascending: int32[count], `a` with `mask[a] = mask[a+1] = 1`.
+
+    With `positions_T` (a packed row: each sample's positions restart at 0), `a + 1` must also be the
+    next token of the same sample (`positions[a+1] = positions[a] + 1`).
+    """
     mask_T = np.asarray(loss_mask_T).astype(bool)
     if mask_T.ndim != 1:
         raise ValueError(f"loss_mask must be 1-D [T], got shape {mask_T.shape}")
-    return np.flatnonzero(mask_T[:-1] & mask_T[1:]).astype(np.int32)
+    valid_T = mask_T[:-1] & mask_T[1:]
+    if positions_T is not None:
+        positions_T = np.asarray(positions_T)
+        valid_T &= positions_T[1:] == positions_T[:-1] + 1
+    return np.flatnonzero(valid_T).astype(np.int32)
 
 
 def sample_anchors(
-    loss_mask_T: np.ndarray, num_anchors: int, rng: np.random.Generator
+    loss_mask_T: np.ndarray,
+    num_anchors: int,
+    rng: np.random.Generator,
+    positions_T: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Draws up to `num_anchors` anchors uniformly without replacement, sorted ascending.
 
     Returns `(anchors_N int32[N], block_keep_N uint8[N])` with `N = num_anchors`: of the `count`
     valid anchor positions, the first `min(count, N)` entries are the sorted drawn anchors
     (`block_keep = 1`), the rest padding (`ANCHOR_PAD`, `block_keep = 0`). With `count <= N` every
-    valid anchor is taken.
+    valid anchor is taken. A packed row (`positions_T`) draws over all its samples' anchors.
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
-    valid_positions = valid_anchor_positions(loss_mask_T)
+    valid_positions = valid_anchor_positions(loss_mask_T, positions_T)
     count = min(valid_positions.size, num_anchors)
     chosen = (
         valid_positions

@@ -1,7 +1,9 @@
 """The training batch: one spec of field names, dtypes and shapes for the pipeline, the step and AOT checks.
 
 Shape letters (see the legend in `dspark_jax/__init__.py`): `B` rows, `T` = `data.max_length`,
-`A` aux layers, `H` target hidden size, `N` = `train.num_anchors`.
+`A` aux layers, `H` target hidden size, `N` = `train.num_anchors` (per row). A row holds one sample, or
+with `data.pack` several whole samples one after another: `positions` restarts at 0 for each, and a
+block sees only its own sample (`dspark_jax.draft.blocks`).
 
 The pipeline builds every field on the host; the step reads the `device` ones. Per-prediction
 arrays (labels, Markov predecessors, eval mask, teacher states) are derived on device from these
@@ -34,12 +36,23 @@ FIELDS: tuple[Field, ...] = (
     Field("loss_mask", np.dtype(np.uint8), "BT", True, "1 on response tokens, 0 on prompt and padding"),
     Field("aux_hidden", np.dtype(ml_dtypes.bfloat16), "BTAH", True, "target aux layer outputs"),
     Field("last_hidden", np.dtype(ml_dtypes.bfloat16), "BTH", True, "target post-norm final state S"),
-    Field("anchors", np.dtype(np.int32), "BN", True, "sorted anchors; padding = ANCHOR_PAD"),
+    Field(
+        "positions",
+        np.dtype(np.int32),
+        "BT",
+        True,
+        "position of each token in its own sample (RoPE; restarts at 0 per packed sample); 0 on padding",
+    ),
+    Field("anchors", np.dtype(np.int32), "BN", True, "sorted anchors (row indices); padding = ANCHOR_PAD"),
     Field("block_keep", np.dtype(np.uint8), "BN", True, "1 for a real anchor, 0 for padding"),
-    Field("seq_len", np.dtype(np.int32), "B", False, "tokens kept after truncation"),
+    Field("seq_len", np.dtype(np.int32), "B", False, "tokens kept after truncation (all samples of the row)"),
+    Field("num_samples", np.dtype(np.int32), "B", False, "samples packed in the row (1 without packing)"),
 )
 DEVICE_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.device)
-TOKEN_FIELDS: dict[str, np.dtype] = {f.name: f.dtype for f in FIELDS if f.dims.startswith("BT")}
+# The per-token fields a cache record provides (the pipeline adds `positions`).
+RECORD_FIELDS: dict[str, np.dtype] = {
+    f.name: f.dtype for f in FIELDS if f.name in ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +107,9 @@ def synthetic(
         "loss_mask": loss_mask,
         "aux_hidden": rng.normal(size=(rows, max_length, num_aux, hidden_size)).astype(bf16),
         "last_hidden": rng.normal(size=(rows, max_length, hidden_size)).astype(bf16),
+        "positions": np.broadcast_to(np.arange(max_length, dtype=np.int32), (rows, max_length)).copy(),
         "anchors": anchors,
         "block_keep": keep,
         "seq_len": np.full((rows,), max_length, np.int32),
+        "num_samples": np.ones((rows,), np.int32),
     }

@@ -7,10 +7,12 @@ record (other fields of a record are ignored).
 Order of operations (all deterministic in `PipelineConfig.seed`):
 
 1. `MapDataset.range(len(source))` shuffled with `seed`, repeated `num_epochs` times with
-   a different shuffle per epoch; stream position `g` is epoch `g // len(source)`.
-2. Each stream element reads its record, pads/truncates it to `max_length` and draws its
-   anchors with an RNG seeded by `(seed, epoch, g)`: independent of worker count,
-   process count and iterator restarts.
+   a different shuffle per epoch; stream position `g` is epoch `g // len(source)`. Packed
+   (`pack`): the stream is a `PackPlan`'s rows instead, each a run of whole records of one epoch's
+   seeded order that fits in `max_length` tokens.
+2. Each stream element (row) reads its record(s), lays them out one after another, pads/truncates
+   to `max_length` and draws its anchors with an RNG seeded by `(seed, epoch, g)`: independent of
+   worker count, process count and iterator restarts.
 3. The stream is cut into chunks of `per_process_batch`; process `p` of `num_processes` takes
    chunks `p, p + num_processes, ...`, so global step `i` covers stream positions
    `[i * global_batch, (i + 1) * global_batch)` whatever the process count. With finite epochs the tail that
@@ -18,8 +20,9 @@ Order of operations (all deterministic in `PipelineConfig.seed`):
 
 Batch dict (per process, `B = per_process_batch`, `T = max_length`, `N = num_anchors`): the
 fields of `dspark_jax.data.batch.FIELDS` -- token fields padded to `T` (`input_ids` with
-`pad_id`, the rest with 0), `anchors`/`block_keep` (see `anchors.sample_anchors` for the padding
-convention) and `seq_len` (length after truncation). Labels, Markov predecessors and eval masks
+`pad_id`, the rest with 0), `positions` (per record, from 0), `anchors`/`block_keep` (see
+`anchors.sample_anchors` for the padding convention), `seq_len` (tokens after truncation) and
+`num_samples` (records in the row). Labels, Markov predecessors and eval masks
 are derived on device (`dspark_jax.draft.blocks`). The iterator counts truncated records
 (`truncated_count`, a log line each time it passes a power of two) and that count is part of
 its checkpointed state.
@@ -34,8 +37,10 @@ that set `worker_count > 0` need the usual `if __name__ == "__main__":` guard.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,7 +51,7 @@ from absl import flags
 from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax.data import anchors as anchors_lib
-from dspark_jax.data.batch import TOKEN_FIELDS
+from dspark_jax.data.batch import RECORD_FIELDS
 from dspark_jax.sharding import DEFAULT_RULES, Rules, logical_to_spec
 
 log = logging.getLogger(__name__)
@@ -60,8 +65,9 @@ _TRUNCATED = "_truncated"
 class PipelineConfig:
     """Input pipeline settings.
 
-    `batch_size` is the global batch (all processes); `num_epochs=None` repeats forever;
-    `worker_count > 0` prepares batches in that many grain worker processes.
+    `batch_size` is the global batch (all processes, in rows); `num_epochs=None` repeats forever;
+    `worker_count > 0` prepares batches in that many grain worker processes; `pack` puts several
+    whole records in a row (`PackPlan`) instead of one.
     """
 
     max_length: int
@@ -71,6 +77,7 @@ class PipelineConfig:
     pad_id: int
     num_epochs: int | None = None
     worker_count: int = 0
+    pack: bool = False
 
     def __post_init__(self):
         for key in ("max_length", "num_anchors", "batch_size"):
@@ -92,31 +99,97 @@ def per_process_batch_size(config: PipelineConfig, process_count: int) -> int:
     return config.batch_size // process_count
 
 
-def prepare_record(
-    record: Mapping[str, np.ndarray], config: PipelineConfig, rng: np.random.Generator
+def prepare_row(
+    records: Sequence[Mapping[str, np.ndarray]], config: PipelineConfig, rng: np.random.Generator
 ) -> Batch:
-    """One record padded/truncated to `max_length` with its anchors (fields as in the batch, no batch dim).
+    """Records one after another in a row of `max_length` tokens, with anchors drawn over the row.
 
-    Adds the scalar `_truncated` flag, consumed by the iterator's truncation counter.
+    Fields as in the batch, without the batch dim. `positions` restarts at 0 for each record; a record
+    that does not fit in what is left of the row is truncated (a packing plan only puts records
+    together that fit). Adds the scalar `_truncated` flag, consumed by the iterator's truncation counter.
     """
-    missing = [name for name in TOKEN_FIELDS if name not in record]
-    if missing:
-        raise ValueError(f"record lacks fields {missing}; records need {list(TOKEN_FIELDS)}")
-    length = int(np.shape(record["input_ids"])[0])
-    kept = min(length, config.max_length)
     out: Batch = {}
-    for name, dtype in TOKEN_FIELDS.items():
-        value = np.asarray(record[name])
-        if value.shape[:1] != (length,):
-            raise ValueError(f"field {name!r} has shape {value.shape}, expected leading length {length}")
-        fill = config.pad_id if name == "input_ids" else 0
-        padded = np.full((config.max_length, *value.shape[1:]), fill, dtype=dtype)
-        padded[:kept] = value[:kept]
-        out[name] = padded
-    out["anchors"], out["block_keep"] = anchors_lib.sample_anchors(out["loss_mask"], config.num_anchors, rng)
-    out["seq_len"] = np.int32(kept)
-    out[_TRUNCATED] = np.uint8(length > config.max_length)
+    positions = np.zeros(config.max_length, np.int32)
+    offset, truncated = 0, False
+    for record in records:
+        missing = [name for name in RECORD_FIELDS if name not in record]
+        if missing:
+            raise ValueError(f"record lacks fields {missing}; records need {list(RECORD_FIELDS)}")
+        length = int(np.shape(record["input_ids"])[0])
+        kept = min(length, config.max_length - offset)
+        for name, dtype in RECORD_FIELDS.items():
+            value = np.asarray(record[name])
+            if value.shape[:1] != (length,):
+                raise ValueError(f"field {name!r} has shape {value.shape}, expected leading length {length}")
+            if name not in out:
+                fill = config.pad_id if name == "input_ids" else 0
+                out[name] = np.full((config.max_length, *value.shape[1:]), fill, dtype=dtype)
+            out[name][offset : offset + kept] = value[:kept]
+        positions[offset : offset + kept] = np.arange(kept)
+        truncated |= kept < length
+        offset += kept
+    out["positions"] = positions
+    out["anchors"], out["block_keep"] = anchors_lib.sample_anchors(
+        out["loss_mask"], config.num_anchors, rng, positions
+    )
+    out["seq_len"] = np.int32(offset)
+    out["num_samples"] = np.int32(len(records))
+    out[_TRUNCATED] = np.uint8(truncated)
     return out
+
+
+def record_lengths(source: Sequence) -> np.ndarray:
+    """Tokens per record: the source's `lengths()` (caches read them from their index), else read."""
+    if hasattr(source, "lengths"):
+        return np.asarray(source.lengths(), np.int64)
+    return np.array([np.shape(source[i]["input_ids"])[0] for i in range(len(source))], np.int64)
+
+
+class PackPlan(Sequence):
+    """The rows of a packed stream: `plan[g] = (epoch, record indices of row g)`.
+
+    Each epoch takes the records in its own seeded random order and packs consecutive ones into a row
+    while they fit in `max_length` tokens (next fit; a longer record gets a row of its own and is
+    truncated there). Epochs are planned when first reached; `num_epochs=None` repeats forever (the
+    length is then `sys.maxsize`, as grain's `repeat`). Picklable, for grain workers.
+    """
+
+    def __init__(self, lengths: np.ndarray, max_length: int, seed: int, num_epochs: int | None):
+        self._lengths = np.minimum(np.asarray(lengths, np.int64), max_length)
+        self._max_length = max_length
+        self._seed = seed
+        self._num_epochs = num_epochs
+        self._rows: list[tuple[int, ...]] = []  # the planned epochs' rows, in stream order
+        self._epoch_starts = [0]  # first row of each planned epoch, then the end
+
+    def _plan_epoch(self) -> None:
+        epoch = len(self._epoch_starts) - 1
+        order = np.random.default_rng((self._seed, epoch)).permutation(len(self._lengths))
+        row: list[int] = []
+        used = 0
+        for index in order.tolist():
+            if row and used + self._lengths[index] > self._max_length:
+                self._rows.append(tuple(row))
+                row, used = [], 0
+            row.append(index)
+            used += int(self._lengths[index])
+        self._rows.append(tuple(row))
+        self._epoch_starts.append(len(self._rows))
+
+    def __len__(self) -> int:
+        if self._num_epochs is None:
+            return sys.maxsize
+        while len(self._epoch_starts) - 1 < self._num_epochs:
+            self._plan_epoch()
+        return self._epoch_starts[self._num_epochs]
+
+    def __getitem__(self, row: int) -> tuple[int, tuple[int, ...]]:
+        if row < 0 or (self._num_epochs is not None and row >= len(self)):
+            raise IndexError(f"row {row} out of range")
+        while self._epoch_starts[-1] <= row:
+            self._plan_epoch()
+        epoch = bisect.bisect_right(self._epoch_starts, row) - 1
+        return epoch, self._rows[row]
 
 
 class PipelineIterator(grain.DatasetIterator):
@@ -165,20 +238,26 @@ class _PipelineDataset(grain.IterDataset):
 
 
 class _Prepare:
-    """Picklable `map_with_index` function: stream position `g`, source index -> prepared record."""
+    """Picklable `map_with_index` function: stream position `g`, source index (or, packed, a `PackPlan`
+    row `(epoch, indices)`) -> prepared row."""
 
     def __init__(self, source: Sequence, config: PipelineConfig):
         self._source = source
         self._config = config
         self._num_records = len(source)
 
-    def __call__(self, position: int, source_index: int) -> Batch:
-        epoch = position // self._num_records
+    def __call__(self, position: int, item: int | tuple[int, tuple[int, ...]]) -> Batch:
+        if isinstance(item, tuple):
+            epoch, indices = item
+        else:
+            epoch, indices = position // self._num_records, (int(item),)
         rng = np.random.default_rng((self._config.seed, epoch, position))
         try:
-            return prepare_record(self._source[int(source_index)], self._config, rng)
+            records = [self._source[int(i)] for i in indices]
+            return prepare_row(records, self._config, rng)
         except ValueError as e:
-            raise ValueError(f"input pipeline: bad record {source_index} of the source: {e}") from e
+            which = f"record {indices[0]}" if len(indices) == 1 else f"record among {list(indices)}"
+            raise ValueError(f"input pipeline: bad {which} of the source: {e}") from e
 
 
 def make_dataset(
@@ -205,7 +284,16 @@ def make_dataset(
     prepare = _Prepare(source, config)
     prepare(0, 0)  # fail fast on a malformed record format
 
-    ds = grain.MapDataset.range(num_records).seed(config.seed).shuffle().repeat(config.num_epochs)
+    if config.pack:
+        plan = PackPlan(record_lengths(source), config.max_length, config.seed, config.num_epochs)
+        if config.num_epochs is not None and len(plan) < config.batch_size:
+            raise ValueError(
+                f"input pipeline: {num_records} records x {config.num_epochs} epochs pack into {len(plan)} "
+                f"rows, less than one global batch of {config.batch_size}"
+            )
+        ds = grain.MapDataset.source(plan)
+    else:
+        ds = grain.MapDataset.range(num_records).seed(config.seed).shuffle().repeat(config.num_epochs)
     ds = ds.map_with_index(prepare)
     ds = ds.batch(local_batch, drop_remainder=True)
     if config.num_epochs is not None:

@@ -28,6 +28,7 @@ machine, a lost disk). The uploaded copy always ends at a chunk boundary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -238,6 +239,28 @@ def _resume(output_path: Path, settings: dict[str, Any], chunk_size: int, total:
     return keep
 
 
+def _turn_progress(
+    on_progress: Callable[[float, int], None],
+    turn: int,
+    prompts: int,
+    num_turns: int,
+    done: int,
+    new_tokens: int,
+) -> None:
+    """A generator's progress (`done` of a turn's `prompts`) as the share of a chunk of `num_turns` turns."""
+    on_progress((turn + done / prompts) / num_turns, new_tokens)
+
+
+def _move_bar(
+    bar: tqdm, start: int, size: int, count: dict[str, int], fraction: float, new_tokens: int
+) -> None:
+    """Moves the conversation bar to `fraction` of the chunk of `size` starting at `start`; `count` keeps
+    the tokens shown."""
+    count["tokens"] += new_tokens
+    bar.set_postfix(tokens=count["tokens"], refresh=False)
+    bar.update(int(start + fraction * size) - bar.n)
+
+
 def _regenerate_chunk(
     target: Target,
     generator: Generator,
@@ -248,16 +271,22 @@ def _regenerate_chunk(
     max_prompt_tokens: int,
     params: SamplingParams,
     seed: int,
+    on_progress: Callable[[float, int], None] = lambda fraction, tokens: None,
 ) -> tuple[list[dict[str, Any]], int]:
-    """Output records of the conversations `chunk` (`start` is the first one's index), tokens generated."""
+    """Output records of the conversations `chunk` (`start` is the first one's index), tokens generated.
+
+    `on_progress(fraction, tokens)`: the share of the chunk done (turn by turn) and the tokens generated
+    since the previous call, every few seconds.
+    """
     turns = [user_turns(conversation) for conversation in chunk]
+    num_turns = max(map(len, turns), default=0)
     messages: list[list[Message]] = []
     for conversation in chunk:
         system = system_prompt(conversation)
         messages.append([] if system is None else [{"role": "system", "content": system}])
     stopped: list[str | None] = [None if t else _NO_USER_TURN_TEXT for t in turns]
     tokens = 0
-    for turn in range(max(map(len, turns), default=0)):
+    for turn in range(num_turns):
         active, prompts = [], []
         for k, conversation_turns in enumerate(turns):
             if turn >= len(conversation_turns) or stopped[k]:
@@ -277,7 +306,11 @@ def _regenerate_chunk(
         if not prompts:
             continue
         outputs = generator.generate(
-            prompts, max_new_tokens=max_new_tokens, params=params, seed=chunk_seed(seed, start, turn)
+            prompts,
+            max_new_tokens=max_new_tokens,
+            params=params,
+            seed=chunk_seed(seed, start, turn),
+            on_progress=functools.partial(_turn_progress, on_progress, turn, len(prompts), num_turns),
         )
         for k, ids in zip(active, outputs):
             tokens += len(ids)
@@ -390,6 +423,7 @@ def regenerate(
     ):
         for start in range(resumed, len(conversations), chunk_size):
             chunk = conversations[start : start + chunk_size]
+
             records, chunk_tokens = _regenerate_chunk(
                 target,
                 generator,
@@ -399,6 +433,7 @@ def regenerate(
                 max_prompt_tokens=max_prompt_tokens,
                 params=params,
                 seed=seed,
+                on_progress=functools.partial(_move_bar, bar, start, len(chunk), {"tokens": tokens}),
             )
             f.write(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records))
             f.flush()
@@ -407,7 +442,7 @@ def regenerate(
             skipped += sum("skipped" in r for r in records)
             truncated += sum("truncated" in r for r in records)
             tokens += chunk_tokens
-            bar.update(len(records))
+            bar.update(start + len(records) - bar.n)
             bar.set_postfix(tokens=tokens, skipped=skipped)
             if url is not None and time.monotonic() - synced >= sync_seconds:
                 _push(output_path, url)

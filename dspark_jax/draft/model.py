@@ -39,7 +39,8 @@ class DraftConfig:
       num_aux: number of target layers in the context features (A).
       mask_token_id: a spare target embedding row used as MASK; None (or -1) = a learned vector.
       attention: block attention implementation ('xla' or 'reference').
-      anchor_chunk: blocks per chunk of the XLA block attention.
+      anchor_chunk: blocks per chunk of the XLA block attention and of the vocabulary-sized objective.
+      remat: recompute each chunk's activations in the backward pass instead of storing them.
       param_dtype, dtype: master-weight and compute dtypes.
     """
 
@@ -58,6 +59,7 @@ class DraftConfig:
     mask_token_id: int | None = None
     attention: str = "xla"
     anchor_chunk: int = 16
+    remat: bool = True
     param_dtype: str = "float32"
     dtype: str = "float32"
 
@@ -142,11 +144,23 @@ class DraftLayer(DecoderBlock):
         return apply_rope(k_ctx, positions_BxT, inv_freq), v_ctx
 
     def __call__(
-        self, x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory_BxNxMxH=None, memory_valid_BxNxM=None
+        self,
+        x_BxNxSxH,
+        ctx_kv,
+        anchors_BxN,
+        inv_freq,
+        memory_BxNxMxH=None,
+        memory_valid_BxNxM=None,
+        starts_BxN=None,
     ):
-        """One layer over `N` blocks of `S` slots; `ctx_kv = (k_BxTxGxD, v_BxTxGxD)` from `context_kv`."""
+        """One layer over `N` blocks of `S` slots; `ctx_kv = (k_BxTxGxD, v_BxTxGxD)` from `context_kv`.
+
+        `starts_BxN`: the first position of each block's sample in a packed row (None = 0): its context
+        starts there and its RoPE positions count from there.
+        """
         b, n, s, _ = x_BxNxSxH.shape
-        slot_pos_BxNS = (anchors_BxN[:, :, None] + jnp.arange(s)).reshape(b, n * s)
+        anchor_pos_BxN = anchors_BxN if starts_BxN is None else anchors_BxN - starts_BxN
+        slot_pos_BxNS = (anchor_pos_BxN[:, :, None] + jnp.arange(s)).reshape(b, n * s)
         h_BxNSxH = self.input_norm(x_BxNxSxH).reshape(b, n * s, -1)
         q = apply_rope(self.attn.queries(h_BxNSxH), slot_pos_BxNS, inv_freq)
         k_blk, v_blk = self.attn.keys_values(h_BxNSxH)
@@ -156,7 +170,7 @@ class DraftLayer(DecoderBlock):
         if memory_BxNxMxH is not None:
             m = memory_BxNxMxH.shape[2]
             k_mem, v_mem = self.attn.keys_values(memory_BxNxMxH.reshape(b, n * m, -1))
-            mem_pos = (anchors_BxN[:, :, None] + 1 + jnp.arange(m)).reshape(b, -1)
+            mem_pos = (anchor_pos_BxN[:, :, None] + 1 + jnp.arange(m)).reshape(b, -1)
             memory = BlockMemory(
                 apply_rope(k_mem, mem_pos, inv_freq).reshape(b, n, m, *k_mem.shape[2:]),
                 v_mem.reshape(b, n, m, *v_mem.shape[2:]),
@@ -171,8 +185,10 @@ class DraftLayer(DecoderBlock):
             blocks(v_blk),
             anchors_BxN,
             memory,
+            starts_BxN,
             implementation=self.cfg.attention,
             anchor_chunk=self.cfg.anchor_chunk,
+            remat=self.cfg.remat,
         )
         return self.finish(x_BxNxSxH, out)
 
@@ -188,11 +204,13 @@ class MarkovHead(nnx.Module):
         """`m [..., R]` for predecessor token ids `[...]`."""
         return jnp.take(self.w1.get_value(), predecessors_x, axis=0)
 
-    def bias(self, m_xR: jax.Array) -> jax.Array:
-        """Float32 vocabulary bias `[..., V]`."""
-        return jnp.einsum(
-            "...r,rv->...v", m_xR, self.w2.get_value().astype(m_xR.dtype), preferred_element_type=jnp.float32
-        )
+    def bias(self, m_xR: jax.Array, columns_xK: jax.Array | None = None) -> jax.Array:
+        """Float32 vocabulary bias `[..., V]`, or `[..., K]` at the vocabulary ids `columns_xK` only."""
+        w2_RxV = self.w2.get_value().astype(m_xR.dtype)
+        if columns_xK is None:
+            return jnp.einsum("...r,rv->...v", m_xR, w2_RxV, preferred_element_type=jnp.float32)
+        w2_xKxR = jnp.moveaxis(jnp.take(w2_RxV, columns_xK, axis=1), 0, -1)  # gathers columns, no transpose
+        return jnp.einsum("...r,...kr->...k", m_xR, w2_xKxR, preferred_element_type=jnp.float32)
 
 
 class DSparkDraft(nnx.Module):
@@ -252,11 +270,16 @@ class DSparkDraft(nnx.Module):
         inv_freq = self.inv_freq.get_value()
         return [layer.context_kv(ctx_BxTxH, positions_BxT, inv_freq) for layer in self.layers]
 
-    def backbone(self, x_BxNxSxH, ctx_kvs, anchors_BxN, memory_BxNxMxH=None, memory_valid_BxNxM=None):
-        """Final draft states `h [B, N, S, H]` (after the final RMSNorm); `ctx_kvs` from `context_kv`."""
+    def backbone(
+        self, x_BxNxSxH, ctx_kvs, anchors_BxN, memory_BxNxMxH=None, memory_valid_BxNxM=None, starts_BxN=None
+    ):
+        """Final draft states `h [B, N, S, H]` (after the final RMSNorm); `ctx_kvs` from `context_kv`;
+        `starts_BxN` as in `DraftLayer.__call__`."""
         inv_freq = self.inv_freq.get_value()
         for layer, ctx_kv in zip(self.layers, ctx_kvs, strict=True):
-            x_BxNxSxH = layer(x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory_BxNxMxH, memory_valid_BxNxM)
+            x_BxNxSxH = layer(
+                x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory_BxNxMxH, memory_valid_BxNxM, starts_BxN
+            )
             x_BxNxSxH = sharding.constrain(x_BxNxSxH, ("batch", None, None, None))
         return self.final_norm(x_BxNxSxH)
 
@@ -269,12 +292,22 @@ class DSparkDraft(nnx.Module):
             preferred_element_type=jnp.float32,
         )
 
-    def corrected(self, base_logits_xV: jax.Array, h_xH: jax.Array, predecessors_x: jax.Array) -> dict:
-        """Markov-corrected logits `l = l0 + W2 W1[t]` and confidence logits `w_c . [h; m] + b_c`."""
+    def corrected(
+        self,
+        base_logits_xV: jax.Array,
+        h_xH: jax.Array,
+        predecessors_x: jax.Array,
+        columns_xK: jax.Array | None = None,
+    ) -> dict:
+        """Markov-corrected logits `l = l0 + W2 W1[t]` and confidence logits `w_c . [h; m] + b_c`.
+
+        With `columns_xK` the base logits are those of the vocabulary ids `columns_xK` (`[..., K]`) and
+        so are the corrected ones.
+        """
         m_xR = self.markov.features(predecessors_x).astype(self.dtype)
         confidence = self.confidence(jnp.concatenate([h_xH.astype(self.dtype), m_xR], axis=-1))
         return {
-            "logits": base_logits_xV + self.markov.bias(m_xR),
+            "logits": base_logits_xV + self.markov.bias(m_xR, columns_xK),
             "confidence_logit": confidence.astype(jnp.float32),
         }
 

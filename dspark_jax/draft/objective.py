@@ -125,6 +125,7 @@ def block_objective_sums(
     eval_mask_BxNxS: jax.Array,
     *,
     anchor_chunk: int,
+    remat: bool = True,
 ) -> dict[str, jax.Array]:
     """Loss numerators, denominators and metric sums of `B x N` blocks, `anchor_chunk` anchors at a time.
 
@@ -136,7 +137,9 @@ def block_objective_sums(
 
     Inputs: `teacher_hidden_BxNxSxH` = `S[a+i]` (bf16 is fine), `lm_head_HxV` (frozen: stop_gradient),
     `labels_BxNxS` int = `x[a+1+i]`, `eval_mask_BxNxS` 0/1, cumulative over i and 0 on padded blocks.
-    Teacher logits accumulate in fp32; all losses are fp32.
+    Teacher logits accumulate in fp32; all losses are fp32. `remat=False` keeps every chunk's
+    vocabulary tensors for the backward pass instead of recomputing them (one forward less, `N / C`
+    times the memory; a CPU demo's choice).
 
     Returns f32 sums: `ce`, `l1`, `bce` (position-weighted numerators), `weight` (sum of `w`),
     `ce_unweighted`, `l1_unweighted`, `bce_unweighted` (over valid predictions, no decay), `tau` (sum
@@ -161,7 +164,9 @@ def block_objective_sums(
         return jnp.moveaxis(chunked, 1, 0)
 
     xs = jax.tree.map(to_chunks, (dict(head_inputs), teacher_hidden_BxNxSxH, labels_BxNxS, eval_mask_BxNxS))
-    body = jax.checkpoint(lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, *chunk_xs), prevent_cse=False)
+    body = lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, *chunk_xs)
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
     _, per_chunk = jax.lax.scan(lambda carry, chunk_xs: (carry, body(chunk_xs)), None, xs)
     return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_chunk)
 

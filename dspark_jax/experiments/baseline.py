@@ -13,12 +13,21 @@ def draft_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[s
     """Objective and metric sums of the DSpark draft on one (micro-)batch, block targets derived on device."""
     cfg = model.cfg
     anchors_BxN = batch["anchors"]
+    positions_BxT = batch["positions"]
     targets = blocks.block_targets(
-        batch["input_ids"], batch["loss_mask"], anchors_BxN, batch["block_keep"], cfg.block_size
+        batch["input_ids"],
+        batch["loss_mask"],
+        anchors_BxN,
+        batch["block_keep"],
+        cfg.block_size,
+        positions_BxT,
     )
     ctx_BxTxH = model.context(batch["aux_hidden"].astype(model.dtype))
     h_BxNxSxH = model.backbone(
-        model.block_inputs(frozen, targets.predecessors[..., 0]), model.context_kv(ctx_BxTxH), anchors_BxN
+        model.block_inputs(frozen, targets.predecessors[..., 0]),
+        model.context_kv(ctx_BxTxH, positions_BxT),
+        anchors_BxN,
+        starts_BxN=blocks.sample_starts(positions_BxT, anchors_BxN),
     )
     return objective.block_objective_sums(
         lambda chunk: model.heads(frozen, chunk["h"], chunk["predecessors"]),
@@ -28,6 +37,7 @@ def draft_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[s
         targets.labels,
         targets.eval_mask,
         anchor_chunk=cfg.anchor_chunk,
+        remat=cfg.remat,
     )
 
 

@@ -88,6 +88,8 @@ class SpeculativeDecoder(BatchedDecoding):
       proposer: how the draft's experiment group makes a block (`experiments.get(name).proposer`).
       aux_layer_ids: the target layers the draft was trained on.
       batch_size: concurrent requests per compiled program.
+      select_top_k: draft tokens are chosen among each slot's K best base logits (0 = all; see
+        `engine.markov_select`).
     """
 
     def __init__(
@@ -104,8 +106,11 @@ class SpeculativeDecoder(BatchedDecoding):
         pad_id: int,
         batch_size: int = 1,
         mesh: Mesh | None = None,
+        select_top_k: int = 0,
     ):
         super().__init__(pad_id=pad_id, batch_size=batch_size, padding="right", mesh=mesh)
+        if select_top_k < 0:
+            raise ValueError(f"select_top_k must be >= 0 (0 = the whole vocabulary), got {select_top_k}")
         draft_cfg = nnx.merge(draft_graphdef, draft_params, draft_rest).cfg
         t = target.cfg
         for name, d, v in (
@@ -125,6 +130,7 @@ class SpeculativeDecoder(BatchedDecoding):
         self.cfg = t
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.eos_ids = tuple(int(e) for e in eos_ids)
+        self.select_top_k = select_top_k
         self.report = SpecReport()
 
     def target_only(self) -> Generator:
@@ -157,7 +163,9 @@ class SpeculativeDecoder(BatchedDecoding):
         )
         results = []
         for batch in self.batches(prompts):
-            settings = SpecSettings(max_new_tokens, params, self.eos_ids, self.aux_layer_ids)
+            settings = SpecSettings(
+                max_new_tokens, params, self.eos_ids, self.aux_layer_ids, self.select_top_k
+            )
             fn = functools.partial(
                 speculate_program,
                 target_graphdef=self.target_graphdef,

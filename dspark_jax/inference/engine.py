@@ -6,7 +6,9 @@ known but not yet fed to the target. One cycle:
 1. draft: one backbone pass over the block `[E(x[p]), MASK x 6]` at positions `p..p+6`,
    attending to the cached draft context `j < p` (DESIGN.md section 2 at inference);
 2. select: the Markov head picks `d_1..d_7` one by one, each from its own corrected logits
-   given the previous choice (greedy, or sampled with temperature / top-p);
+   given the previous choice (greedy, or sampled with temperature / top-p); with
+   `select_top_k = K` the correction is computed for the K best base logits of each slot only
+   (the choice is then among those K: still lossless, the target decides what is emitted);
 3. verify: the target runs `[x[p], d_1..d_7]` in one forward with its KV cache;
 4. accept: exact match (greedy) or lossless rejection sampling; `m` accepted drafts plus one
    target token (the correction, or the bonus after 7 accepted) are emitted;
@@ -45,6 +47,7 @@ class SpecSettings:
     params: SamplingParams
     eos_ids: tuple[int, ...]
     aux_layer_ids: tuple[int, ...]
+    select_top_k: int = 0  # selection among each slot's top-K base logits; 0 = the whole vocabulary
 
 
 class SpecState(NamedTuple):
@@ -75,7 +78,7 @@ class Proposer(NamedTuple):
     """How an experiment group drafts a block at inference, in two phases timed apart.
 
     draft_pass(draft, frozen, state) -> draft output (a pytree; the baseline's final states `h`)
-    select(draft, frozen, draft_out, state, rng, params) -> `Proposals`
+    select(draft, frozen, draft_out, state, rng, settings) -> `Proposals` (`settings`: `SpecSettings`)
     init_carry(draft, rows) -> per-request state carried across cycles (`()` for none)
     next_carry(draft, carry, draft_out, num_accepted_B, active_B) -> the carry of the next cycle
     """
@@ -114,17 +117,38 @@ def draft_hidden(draft: DSparkDraft, frozen: FrozenTarget, state: SpecState) -> 
 
 
 def markov_select(
-    draft: DSparkDraft, frozen: FrozenTarget, h_BxSxH, state: SpecState, rng, params: SamplingParams
+    draft: DSparkDraft, frozen: FrozenTarget, h_BxSxH, state: SpecState, rng, settings: SpecSettings
 ) -> Proposals:
-    """Sequential Markov selection: each slot's token from its corrected logits given the previous choice."""
+    """Sequential Markov selection: each slot's token from its corrected logits given the previous choice.
+
+    With `settings.select_top_k = K` each slot's candidates are its K best base logits and the Markov
+    correction reads only their K columns of `W2` (the full `[R, V]` matrix is otherwise read once per
+    slot); the proposals' logits are `-inf` outside the candidates, so sampled acceptance uses the
+    distribution the token was actually drawn from.
+    """
     token_B = state.pending_B
     base_BxSxV = draft.base_logits(frozen, h_BxSxH)  # one pass over the LM head for the whole block
+    vocab = base_BxSxV.shape[-1]
+    columns_BxSxK = None
+    if settings.select_top_k:
+        top = jax.lax.top_k(base_BxSxV, min(settings.select_top_k, vocab))
+        # XLA:CPU lowers top_k to a sort and would repeat it for every slot that reads a slice of it.
+        base_BxSxV, columns_BxSxK = jax.lax.optimization_barrier(top)
     drafts, logits, confidence = [], [], []
     for i in range(h_BxSxH.shape[1]):
-        out = draft.corrected(base_BxSxV[:, i], h_BxSxH[:, i], token_B)
-        token_B = sample(out["logits"], jax.random.fold_in(rng, i), params)
+        columns = None if columns_BxSxK is None else columns_BxSxK[:, i]
+        out = draft.corrected(base_BxSxV[:, i], h_BxSxH[:, i], token_B, columns)
+        choice_B = sample(out["logits"], jax.random.fold_in(rng, i), settings.params)
+        if columns is None:
+            token_B, logits_BxV = choice_B, out["logits"]
+        else:
+            token_B = jnp.take_along_axis(columns, choice_B[:, None], axis=1)[:, 0]
+            rows_Bx1 = jnp.arange(columns.shape[0])[:, None]
+            logits_BxV = (
+                jnp.full((columns.shape[0], vocab), -jnp.inf).at[rows_Bx1, columns].set(out["logits"])
+            )
         drafts.append(token_B)
-        logits.append(out["logits"])
+        logits.append(logits_BxV)
         confidence.append(jax.nn.sigmoid(out["confidence_logit"]))
     return Proposals(jnp.stack(drafts, 1), jnp.stack(logits, 1), jnp.stack(confidence, 1))
 
@@ -194,7 +218,7 @@ def cycle(
     """One draft-select-verify-accept cycle for every row (finished rows change nothing)."""
     rng = cycle_rng(state)
     draft_out = proposer.draft_pass(draft, frozen, state)
-    proposals = proposer.select(draft, frozen, draft_out, state, jax.random.fold_in(rng, 0), settings.params)
+    proposals = proposer.select(draft, frozen, draft_out, state, jax.random.fold_in(rng, 0), settings)
     new_state, num_accepted_B = verify_and_accept(
         target, draft, state, proposals, settings, jax.random.fold_in(rng, 1)
     )

@@ -34,7 +34,9 @@ def time_cycle_phases(
     """
     tg, dg = decoder.target_graphdef, decoder.draft[0]
     proposer = decoder.proposer
-    settings = engine.SpecSettings(max_new_tokens + 8 * cycles, params, (-1,), decoder.aux_layer_ids)
+    settings = engine.SpecSettings(
+        max_new_tokens + 8 * cycles, params, (-1,), decoder.aux_layer_ids, decoder.select_top_k
+    )
     batch = next(decoder.batches(prompts[: decoder.batch_size]))
     max_len = decoder.max_len(batch.length, settings.max_new_tokens)
 
@@ -60,7 +62,7 @@ def time_cycle_phases(
     @jax.jit
     def select(dp, dr, frozen, state, draft_out):
         rng = jax.random.fold_in(engine.cycle_rng(state), 0)
-        return proposer.select(nnx.merge(dg, dp, dr), frozen, draft_out, state, rng, settings.params)
+        return proposer.select(nnx.merge(dg, dp, dr), frozen, draft_out, state, rng, settings)
 
     @jax.jit
     def verify(ts, dp, dr, state, draft_out, proposals):

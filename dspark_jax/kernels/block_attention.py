@@ -1,7 +1,8 @@
 """DSpark block attention: every anchor block attends to its own prefix context and its own slots.
 
 Queries are the `S` slots of `N` anchor blocks (letters: the legend in `dspark_jax/__init__.py`).
-Block `n` with anchor `a_n` sees context positions `j < a_n`, its optional `M` memory slots
+Block `n` with anchor `a_n` sees context positions `start_n <= j < a_n` (`start_n` = 0, or the first
+position of the block's own sample in a packed row), its optional `M` memory slots
 (Draft Memory), and its own `S` slots (bidirectionally) — nothing of other blocks. Keys and
 values of the context are shared by all blocks; those of memory and slots are per block.
 
@@ -38,6 +39,7 @@ def _chunk_attention(
     k_blk_BxCxSxGxD,
     v_blk_BxCxSxGxD,
     anchors_BxC,
+    starts_BxC,
     memory: BlockMemory | None,
 ):
     """Attention of C blocks (S slots each) over context + own memory + own slots; softmax in fp32."""
@@ -49,7 +51,8 @@ def _chunk_attention(
     f32 = dict(preferred_element_type=jnp.float32)
 
     ctx_BxCxSxGxExT = jnp.einsum("bcsged,btgd->bcsget", q_BxCxSxGxExD, k_ctx_BxTxGxD, **f32)
-    ctx_visible_BxCxT = jnp.arange(t)[None, None, :] < anchors_BxC[:, :, None]
+    j_T = jnp.arange(t)[None, None, :]
+    ctx_visible_BxCxT = (j_T < anchors_BxC[:, :, None]) & (j_T >= starts_BxC[:, :, None])
     ctx_BxCxSxGxExT = jnp.where(ctx_visible_BxCxT[:, :, None, None, None, :], ctx_BxCxSxGxExT, neg)
     blk_BxCxSxGxExS = jnp.einsum("bcsged,bcrgd->bcsger", q_BxCxSxGxExD, k_blk_BxCxSxGxD, **f32)
     parts = [ctx_BxCxSxGxExT, blk_BxCxSxGxExS]
@@ -81,25 +84,34 @@ def block_attention_xla(
     v_blk_BxNxSxGxD,
     anchors_BxN,
     memory: BlockMemory | None = None,
+    starts_BxN=None,
     *,
     anchor_chunk: int = 16,
+    remat: bool = True,
 ) -> jax.Array:
-    """Chunked XLA block attention; see the module docstring. Returns `[B, N, S, Q, D]`."""
+    """Chunked XLA block attention; see the module docstring. Returns `[B, N, S, Q, D]`.
+
+    `remat=False` stores every chunk's scores for the backward pass instead of recomputing them.
+    """
     b, n = anchors_BxN.shape
     chunk = min(anchor_chunk, n)
     n_pad = -n % chunk
-    per_block = [q_BxNxSxQxD, k_blk_BxNxSxGxD, v_blk_BxNxSxGxD, anchors_BxN]
+    if starts_BxN is None:
+        starts_BxN = jnp.zeros_like(anchors_BxN)
+    per_block = [q_BxNxSxQxD, k_blk_BxNxSxGxD, v_blk_BxNxSxGxD, anchors_BxN, starts_BxN]
     if memory is not None:
         per_block += list(memory)
     per_block = [_pad_blocks(x, n_pad) for x in per_block]
     chunks = [x.reshape(b, (n + n_pad) // chunk, chunk, *x.shape[2:]).swapaxes(0, 1) for x in per_block]
 
-    @jax.checkpoint
     def body(carry, xs):
-        q, k_blk, v_blk, anchors, *mem = xs
+        q, k_blk, v_blk, anchors, starts, *mem = xs
         mem = BlockMemory(*mem) if mem else None
-        out = _chunk_attention(q, k_ctx_BxTxGxD, v_ctx_BxTxGxD, k_blk, v_blk, anchors, mem)
+        out = _chunk_attention(q, k_ctx_BxTxGxD, v_ctx_BxTxGxD, k_blk, v_blk, anchors, starts, mem)
         return carry, sharding.constrain(out, ("batch", None, None, "heads", None))
+
+    if remat:
+        body = jax.checkpoint(body)
 
     _, out = jax.lax.scan(body, None, chunks)
     out = out.swapaxes(0, 1).reshape(b, n + n_pad, *q_BxNxSxQxD.shape[2:])
@@ -114,6 +126,7 @@ def block_attention_reference(
     v_blk_BxNxSxGxD,
     anchors_BxN,
     memory: BlockMemory | None = None,
+    starts_BxN=None,
 ) -> jax.Array:
     """Dense masked attention over `[context; all memory; all slots]`: O(NS * (T + NM + NS)) memory."""
     b, n, s, heads, d = q_BxNxSxQxD.shape
@@ -122,8 +135,12 @@ def block_attention_reference(
     keys = [k_ctx_BxTxGxD, k_blk_BxNxSxGxD.reshape(b, n * s, *k_blk_BxNxSxGxD.shape[3:])]
     values = [v_ctx_BxTxGxD, v_blk_BxNxSxGxD.reshape(b, n * s, *v_blk_BxNxSxGxD.shape[3:])]
     anchor_of_query_BxNS = anchors_BxN[:, block_of_query]
+    start_of_query_BxNS = (jnp.zeros_like(anchors_BxN) if starts_BxN is None else starts_BxN)[
+        :, block_of_query
+    ]
+    j_T = jnp.arange(t)[None, None, :]
     visible = [
-        jnp.arange(t)[None, None, :] < anchor_of_query_BxNS[:, :, None],
+        (j_T < anchor_of_query_BxNS[:, :, None]) & (j_T >= start_of_query_BxNS[:, :, None]),
         jnp.broadcast_to(block_of_query[:, None] == block_of_query[None, :], (b, n * s, n * s)),
     ]
     if memory is not None:
@@ -150,9 +167,11 @@ def block_attention(
     v_blk_BxNxSxGxD,
     anchors_BxN,
     memory: BlockMemory | None = None,
+    starts_BxN=None,
     *,
     implementation: str = "xla",
     anchor_chunk: int = 16,
+    remat: bool = True,
 ) -> jax.Array:
     """Block attention `[B, N, S, Q, D]` (queries of N blocks x S slots, Q heads).
 
@@ -162,12 +181,24 @@ def block_attention(
       k_blk_BxNxSxGxD / v_blk_BxNxSxGxD: the blocks' own keys/values.
       anchors_BxN: anchor position of each block; context `j < a` is visible.
       memory: optional per-block memory keys/values with a validity mask.
+      starts_BxN: first visible context position of each block (its sample's first position in a
+        packed row); None = 0.
       implementation: 'xla' (chunked, memory-bounded) or 'reference' (dense, tests only).
       anchor_chunk: blocks per chunk of the XLA implementation.
+      remat: recompute each chunk in the backward pass (XLA implementation).
     """
-    args = (q_BxNxSxQxD, k_ctx_BxTxGxD, v_ctx_BxTxGxD, k_blk_BxNxSxGxD, v_blk_BxNxSxGxD, anchors_BxN, memory)
+    args = (
+        q_BxNxSxQxD,
+        k_ctx_BxTxGxD,
+        v_ctx_BxTxGxD,
+        k_blk_BxNxSxGxD,
+        v_blk_BxNxSxGxD,
+        anchors_BxN,
+        memory,
+        starts_BxN,
+    )
     if implementation == "xla":
-        return block_attention_xla(*args, anchor_chunk=anchor_chunk)
+        return block_attention_xla(*args, anchor_chunk=anchor_chunk, remat=remat)
     if implementation == "reference":
         return block_attention_reference(*args)
     raise ValueError(f"unknown block attention implementation {implementation!r}; use 'xla' or 'reference'")

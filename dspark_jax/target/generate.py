@@ -1,7 +1,10 @@
-"""Batched generation with a KV cache under `jax.jit`: prefill + a `while_loop` decode.
+"""Batched generation with a KV cache under `jax.jit`: a prefill program, then a `while_loop` decode
+program called a few steps at a time (progress between calls; a batch stops as soon as its real rows
+are done).
 
 Shapes are fixed per call: prompts are padded to a length bucket (powers of two) and the
 batch to `batch_size`, so a run compiles a handful of programs and then only executes.
+Prompts are batched shortest first, so each batch's bucket fits its own prompts.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -119,23 +122,26 @@ class GenerationStats:
         return {**dataclasses.asdict(self), "tokens_per_second": self.tokens_per_second}
 
 
-def _generate_program(
+class Decoding(NamedTuple):
+    """Decode loop state of one batch: `B` rows, `O = max_new_tokens` output slots."""
+
+    step: jax.Array  # tokens decoded so far (per batch, all rows together)
+    cache: KVCache
+    hidden_BxH: jax.Array  # final state of each row's last token
+    done_B: jax.Array
+    out_BxO: jax.Array  # generated ids; EOS included, then -1
+
+
+def _prefill_program(
     state: nnx.State,
     tokens_BxP: jax.Array,
     lengths_B: jax.Array,
-    rng: jax.Array,
     *,
     graphdef: nnx.GraphDef,
     max_new_tokens: int,
-    params: SamplingParams,
-    eos_ids: tuple[int, ...],
     padding: str,
-) -> tuple[jax.Array, jax.Array]:
-    """Prefill then decode until every row hit EOS or `max_new_tokens`.
-
-    Returns `tokens [B, O]` (`O = max_new_tokens`; EOS included, then padding -1) and `count [B]`,
-    the number of tokens generated per row before (and without) EOS.
-    """
+) -> Decoding:
+    """The prompt forward: the first decode state (a cache sized for prompt plus `max_new_tokens`)."""
     model = nnx.merge(graphdef, state)
     b, p = tokens_BxP.shape
     cache = KVCache.zeros(model.cfg, b, p + max_new_tokens, model.dtype)
@@ -144,32 +150,44 @@ def _generate_program(
     out = model(tokens_BxP, cache=cache)
     last_B = lengths_B - 1 if padding == "right" else jnp.full((b,), p - 1, jnp.int32)
     cache = out.cache._replace(end_B=out.cache.start_B + lengths_B)
-    last_hidden_BxH = out.hidden_BxTxH[jnp.arange(b), last_B]
-    eos = jnp.asarray(eos_ids, jnp.int32)
-
-    def step(carry):
-        i, cache, hidden_BxH, done_B, out_BxO = carry
-        token_B = sample(model.logits(hidden_BxH), jax.random.fold_in(rng, i), params)
-        token_B = jnp.where(done_B, -1, token_B)
-        out_BxO = out_BxO.at[:, i].set(token_B)
-        done_B = done_B | jnp.isin(token_B, eos)
-        nxt = model(jnp.maximum(token_B, 0)[:, None], cache=cache)
-        return i + 1, nxt.cache, nxt.hidden_BxTxH[:, 0], done_B, out_BxO
-
-    def running(carry):
-        i, _, _, done_B, _ = carry
-        return (i < max_new_tokens) & ~jnp.all(done_B)
-
-    init = (
+    return Decoding(
         jnp.int32(0),
         cache,
-        last_hidden_BxH,
+        out.hidden_BxTxH[jnp.arange(b), last_B],
         jnp.zeros((b,), bool),
         jnp.full((b, max_new_tokens), -1, jnp.int32),
     )
-    _, _, _, _, out_BxO = jax.lax.while_loop(running, step, init)
-    produced_BxO = (out_BxO >= 0) & ~jnp.isin(out_BxO, eos)
-    return out_BxO, jnp.sum(jnp.cumprod(produced_BxO, axis=1), axis=1)
+
+
+def _decode_program(
+    state: nnx.State,
+    decoding: Decoding,
+    rng: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    steps: int,
+    params: SamplingParams,
+    eos_ids: tuple[int, ...],
+) -> Decoding:
+    """Up to `steps` more decode steps, fewer when every row hit EOS or the output is full."""
+    model = nnx.merge(graphdef, state)
+    eos = jnp.asarray(eos_ids, jnp.int32)
+    max_new_tokens = decoding.out_BxO.shape[1]
+    stop = jnp.minimum(decoding.step + steps, max_new_tokens)
+
+    def step(d: Decoding) -> Decoding:
+        token_B = sample(model.logits(d.hidden_BxH), jax.random.fold_in(rng, d.step), params)
+        token_B = jnp.where(d.done_B, -1, token_B)
+        nxt = model(jnp.maximum(token_B, 0)[:, None], cache=d.cache)
+        return Decoding(
+            d.step + 1,
+            nxt.cache,
+            nxt.hidden_BxTxH[:, 0],
+            d.done_B | jnp.isin(token_B, eos),
+            d.out_BxO.at[:, d.step].set(token_B),
+        )
+
+    return jax.lax.while_loop(lambda d: (d.step < stop) & ~jnp.all(d.done_B), step, decoding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +252,9 @@ class Generator(BatchedDecoding):
       batch_size: rows per compiled program; requests are split and the last batch padded.
       padding: 'left' (default) or 'right' alignment of prompts in the padded batch.
       mesh: the device mesh; the batch is sharded over its data axes.
+      sort_by_length: batch the prompts in order of length (results keep the request order), so a
+        batch's prompt bucket is close to its prompts' lengths instead of its longest random member.
+      decode_steps: decode steps per program call; the host reports progress between calls.
     """
 
     def __init__(
@@ -245,13 +266,19 @@ class Generator(BatchedDecoding):
         batch_size: int = 8,
         padding: str = "left",
         mesh: Mesh | None = None,
+        sort_by_length: bool = True,
+        decode_steps: int = 16,
     ):
         super().__init__(pad_id=pad_id, batch_size=batch_size, padding=padding, mesh=mesh)
         if not eos_ids:
             raise ValueError("at least one EOS id is needed to stop generation")
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         self.eos_ids = tuple(int(t) for t in eos_ids)
+        self.sort_by_length = sort_by_length
+        self.decode_steps = decode_steps
         self.stats = GenerationStats()
 
     def generate(
@@ -261,30 +288,66 @@ class Generator(BatchedDecoding):
         max_new_tokens: int,
         params: SamplingParams = GREEDY,
         seed: int = 0,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> list[list[int]]:
-        """Generated ids per prompt, EOS excluded. Deterministic for a given seed and batching."""
+        """Generated ids per prompt, EOS excluded. Deterministic for a given seed and batching.
+
+        `on_progress(prompts_done, tokens)` is called after every program call with the prompts
+        finished so far and the tokens generated since the previous call.
+        """
         check_prompts(prompts, max_new_tokens, self.cfg.max_position_embeddings)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if self.sort_by_length else None
+        batched = prompts if order is None else [prompts[i] for i in order]
         results: list[list[int]] = []
         rng = jax.random.key(seed)
-        fn = functools.partial(
-            _generate_program,
+        prefill = functools.partial(
+            _prefill_program, graphdef=self.graphdef, max_new_tokens=max_new_tokens, padding=self.padding
+        )
+        decode = functools.partial(
+            _decode_program,
             graphdef=self.graphdef,
-            max_new_tokens=max_new_tokens,
+            steps=self.decode_steps,
             params=params,
             eos_ids=self.eos_ids,
-            padding=self.padding,
         )
-        for batch in self.batches(prompts):
-            args = (self.state, batch.tokens_BxP, batch.lengths_B, jax.random.fold_in(rng, batch.start))
-            program = self.compiled((batch.length, max_new_tokens, params), fn, *args)
+        for batch in self.batches(batched):
+            key = (batch.length, max_new_tokens)
+            batch_rng = jax.random.fold_in(rng, batch.start)
+            prefill_args = (self.state, batch.tokens_BxP, batch.lengths_B)
+            prefill_program = self.compiled(("prefill", *key), prefill, *prefill_args)
             begin = time.perf_counter()
-            out, counts = jax.device_get(program(*args))
+            decoding = prefill_program(*prefill_args)
+            decode_program = self.compiled(("decode", *key, params), decode, self.state, decoding, batch_rng)
+            tokens = 0
+            while True:
+                decoding = decode_program(self.state, decoding, batch_rng)
+                step, all_done, produced = jax.device_get(
+                    (
+                        decoding.step,
+                        jnp.all(decoding.done_B[: batch.rows]),
+                        jnp.sum(decoding.out_BxO[: batch.rows] >= 0),
+                    )
+                )
+                last = bool(all_done) or int(step) >= max_new_tokens
+                if on_progress is not None:
+                    on_progress(batch.start + batch.rows if last else batch.start, int(produced) - tokens)
+                tokens = int(produced)
+                if last:
+                    break
+            out = np.asarray(decoding.out_BxO)
             self.stats.seconds += time.perf_counter() - begin
+            produced_BxO = (out >= 0) & ~np.isin(out, self.eos_ids)
+            counts = np.cumprod(produced_BxO, axis=1).sum(axis=1)
             self.stats.prompt_tokens += batch.prompt_tokens
             self.stats.generated_tokens += int(counts[: batch.rows].sum())
             results.extend(out[row, : counts[row]].tolist() for row in range(batch.rows))
         self.stats.compile_seconds = self.compile_seconds
-        return results
+        if order is None:
+            return results
+        restored: list[list[int]] = [[] for _ in prompts]
+        for position, index in enumerate(order):
+            restored[index] = results[position]
+        return restored
 
 
 class Decoder(Protocol):

@@ -187,6 +187,7 @@ def pipeline_config(
         pad_id=side.pad_id,
         num_epochs=num_epochs,
         worker_count=config.data.worker_count,
+        pack=config.data.get("pack", False),  # absent from configs stored before it
     )
 
 
@@ -259,8 +260,13 @@ def restore_draft(config, target: TargetConfig, mesh: Mesh, checkpoint: str | os
     return graphdef, params, rest, step
 
 
-def speculative_decoder(config, target: Target, draft, *, batch_size: int, mesh: Mesh) -> SpeculativeDecoder:
-    """The experiment's speculative decoder for a loaded target and a draft `(graphdef, params, rest)`."""
+def speculative_decoder(
+    config, target: Target, draft, *, batch_size: int, mesh: Mesh, select_top_k: int | None = None
+) -> SpeculativeDecoder:
+    """The experiment's speculative decoder for a loaded target and a draft `(graphdef, params, rest)`;
+    `select_top_k` defaults to the config's `generate.select_top_k`."""
+    if select_top_k is None:
+        select_top_k = config.generate.get("select_top_k", 0)  # absent from configs stored before it
     return SpeculativeDecoder(
         target.model,
         *draft,
@@ -271,4 +277,5 @@ def speculative_decoder(config, target: Target, draft, *, batch_size: int, mesh:
         pad_id=target.tokenizer.pad_id,
         batch_size=batch_size,
         mesh=mesh,
+        select_top_k=select_top_k,
     )

@@ -114,6 +114,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     logged metrics. Resuming a run whose stored config differs on a training key (not in
     `config_lib.RESUMABLE_KEYS`) is refused unless the key is in `allow_changed`. Raises `Preempted`
     after saving when a stop was requested."""
+    called = time.perf_counter()  # `wall_minutes` counts from here: caches and compiles included
     config_lib.validate(config)
     workdir = epath.Path(workdir)
     check_workdir(workdir, config, allow_changed)
@@ -218,7 +219,9 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
             host = {
                 "train/step_seconds": seconds,
                 "train/tokens_per_second": tokens / seconds,
-                "train/anchors_per_sample": float(batch["block_keep"].sum(axis=1).mean()),
+                "train/anchors_per_row": float(batch["block_keep"].sum(axis=1).mean()),
+                "train/samples_per_step": float(batch["num_samples"].sum()) * jax.process_count(),
+                "train/wall_minutes": (time.perf_counter() - called) / 60,
             }
             pending = (step, device_metrics, host)
             if step == start + 1:
@@ -244,6 +247,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                     rules,
                 )
                 stages["eval"] += time.perf_counter() - eval_began
+                metrics = dict(metrics) | {"wall_minutes": (time.perf_counter() - called) / 60}
                 writer.write(step, {f"eval/{k}": v for k, v in metrics.items()})
                 last = last | {f"eval/{k}": v for k, v in metrics.items()}
                 log.info(

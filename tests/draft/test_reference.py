@@ -58,19 +58,23 @@ def _reference(p, emb, lm_head, mask_vec, batch):
     aux, last = (np.asarray(batch[k], np.float64) for k in ("aux_hidden", "last_hidden"))
     emb, lm_head, mask_vec = (np.asarray(v, np.float64) for v in (emb, lm_head, mask_vec))
     anchors, keep = np.asarray(batch["anchors"]), np.asarray(batch["block_keep"])
+    positions = np.asarray(batch["positions"])
     heads_per_kv = CFG.num_heads // CFG.num_kv_heads
     rows = []  # (eval_mask_i, w_i, ce, l1, bce, overlap, sigmoid(s)) per prediction
     taus = []
     for b in range(ids.shape[0]):
         c = _rms(aux[b].reshape(T, A * H) @ p["aux_proj/kernel"], p["aux_norm/scale"])
         a_n = anchors[b]
+        start_n = a_n - positions[b, a_n]  # first index of each block's own sample
         x = np.stack(
             [np.concatenate([emb[ids[b, a]][None], np.repeat(mask_vec[None], S - 1, 0)]) for a in a_n]
         )
         x = x.reshape(N * S, H)
-        slot_pos = (a_n[:, None] + np.arange(S)).reshape(-1)
+        slot_pos = (a_n[:, None] - start_n[:, None] + np.arange(S)).reshape(-1)
         blk = np.repeat(np.arange(N), S)
-        visible = np.concatenate([np.arange(T)[None, :] < a_n[blk][:, None], blk[:, None] == blk[None, :]], 1)
+        j = np.arange(T)[None, :]
+        own_context = (j < a_n[blk][:, None]) & (j >= start_n[blk][:, None])
+        visible = np.concatenate([own_context, blk[:, None] == blk[None, :]], 1)
         for layer in range(CFG.num_layers):
             w = {k.split("/", 2)[2]: v for k, v in p.items() if k.startswith(f"layers/{layer}/")}
             hn = _rms(x, w["input_norm/scale"])
@@ -82,7 +86,7 @@ def _reference(p, emb, lm_head, mask_vec, batch):
                 k_ = _rms(np.einsum("ih,hgd->igd", src, w["attn/k/kernel"]), w["attn/k_norm/scale"])
                 return _rope(k_, pos), np.einsum("ih,hgd->igd", src, w["attn/v/kernel"])
 
-            (kc, vc), (kb, vb) = kv(c, np.arange(T)), kv(hn, slot_pos)
+            (kc, vc), (kb, vb) = kv(c, positions[b]), kv(hn, slot_pos)
             keys, values = np.concatenate([kc, kb]), np.concatenate([vc, vb])
             out = np.zeros_like(q)
             for head in range(CFG.num_heads):
@@ -94,7 +98,15 @@ def _reference(p, emb, lm_head, mask_vec, batch):
             x = x + (gate / (1 + np.exp(-gate)) * (hn @ w["mlp/up/kernel"])) @ w["mlp/down/kernel"]
         h = _rms(x, p["final_norm/scale"]).reshape(N, S, H)
         for n, a in enumerate(a_n):
-            em = np.cumprod([keep[b, n] and a + 1 + i < T and loss_mask[b, a + 1 + i] for i in range(S)])
+            em = np.cumprod(
+                [
+                    keep[b, n]
+                    and a + 1 + i < T
+                    and loss_mask[b, a + 1 + i]
+                    and positions[b, a + 1 + i] == positions[b, a] + 1 + i  # the anchor's own sample
+                    for i in range(S)
+                ]
+            )
             run = 1.0
             tau = 1.0
             for i in range(S):
@@ -133,10 +145,14 @@ def _batch(rng):
     loss_mask = np.zeros((2, T), np.int32)
     loss_mask[0, 3:10] = loss_mask[0, 13:] = 1  # two assistant turns with a user gap at 10..12
     loss_mask[1, :7] = loss_mask[1, 9:] = 1
-    anchors = np.asarray([[4, 8, 15, 18], [0, 5, 12, 0]], np.int32)  # 8: cut by the gap; 15, 18: by T
-    keep = np.asarray([[1, 1, 1, 1], [1, 1, 1, 0]], np.uint8)  # one padded block
+    # Row 1 packs two samples, rows 0..10 and 11..23: anchor 9's predictions stop at the sample's end
+    # (although the loss mask runs on), anchor 12 sees context 11 only.
+    positions = np.stack([np.arange(T), np.r_[np.arange(11), np.arange(T - 11)]]).astype(np.int32)
+    anchors = np.asarray([[4, 8, 15, 0], [0, 5, 9, 12]], np.int32)  # 8: cut by the gap; 15: by T
+    keep = np.asarray([[1, 1, 1, 0], [1, 1, 1, 1]], np.uint8)  # one padded block
     ids = rng.integers(0, V, (2, T)).astype(np.int32)
     return {
+        "positions": positions,
         "input_ids": ids,
         "loss_mask": loss_mask,
         "aux_hidden": rng.normal(size=(2, T, A, H)).astype(np.float32),

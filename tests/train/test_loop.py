@@ -193,7 +193,8 @@ def test_metrics_are_finite_and_named(cache_dir, tmp_path):
         "train/confidence_abs_error",
         "train/confidence_cumprod_bias",
         "eval/confidence_cumprod_bias",
-        "train/anchors_per_sample",
+        "train/anchors_per_row",
+        "train/samples_per_step",
     ):
         assert math.isfinite(last[name]), name
     assert (tmp_path / "tensorboard").is_dir()

@@ -167,7 +167,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.data.train_cache = ""
     c.data.val_cache = ""
     c.data.train_source = "sharegpt"
-    c.data.train_limit = {"paper": 0, "demo": 300, "accel": 4000, "smoke": 6}[preset]
+    c.data.train_limit = {"paper": 0, "demo": 400, "accel": 4000, "smoke": 6}[preset]
     c.data.val_source = ""
     c.data.val_limit = {"paper": 256, "demo": 256, "accel": 256, "smoke": 4}[preset]
     c.data.aux_layer_ids = {
@@ -177,7 +177,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
         "smoke": (1, 2, 3),
     }[preset]
     c.data.max_length = {"paper": 4096, "demo": 1024, "accel": 2048, "smoke": 256}[preset]
-    c.data.pack = preset == "accel"
+    c.data.pack = preset in ("demo", "accel")
     c.data.num_shards = {"paper": 256, "demo": 4, "accel": 16, "smoke": 2}[preset]
     c.data.regen_max_new_tokens = {"paper": 2048, "demo": 128, "accel": 256, "smoke": 8}[preset]
     c.data.regen_max_prompt_tokens = {"paper": 2048, "demo": 256, "accel": 512, "smoke": 128}[preset]
@@ -201,22 +201,22 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.draft.remat = preset == "paper"
 
     c.train = config_dict.ConfigDict()
-    c.train.num_anchors = {"paper": 512, "demo": 32, "accel": 192, "smoke": 8}[preset]
-    c.train.global_batch = {"paper": 512, "demo": 4, "accel": 8, "smoke": 2}[preset]
+    c.train.num_anchors = {"paper": 512, "demo": 64, "accel": 192, "smoke": 8}[preset]
+    c.train.global_batch = {"paper": 512, "demo": 2, "accel": 8, "smoke": 2}[preset]
     c.train.grad_accum = {"paper": 32, "demo": 1, "accel": 1, "smoke": 1}[preset]
-    c.train.total_steps = {"paper": 26040, "demo": 300, "accel": 2000, "smoke": 6}[preset]
-    c.train.stop_step = {"paper": 2604, "demo": 300, "accel": 2000, "smoke": 6}[preset]
-    c.train.peak_lr = {"paper": 3e-4, "demo": 3e-3, "accel": 3e-3, "smoke": 3e-4}[preset]
+    c.train.total_steps = {"paper": 26040, "demo": 600, "accel": 2000, "smoke": 6}[preset]
+    c.train.stop_step = {"paper": 2604, "demo": 600, "accel": 2000, "smoke": 6}[preset]
+    c.train.peak_lr = {"paper": 3e-4, "demo": 6e-3, "accel": 3e-3, "smoke": 3e-4}[preset]
     c.train.warmup_fraction = 0.04
     c.train.weight_decay = 0.0
     c.train.clip_norm = 1.0
     c.train.b1 = 0.9
     c.train.b2 = 0.999
     c.train.eps = 1e-8
-    c.train.checkpoint_every = {"paper": 651, "demo": 50, "accel": 500, "smoke": 3}[preset]
+    c.train.checkpoint_every = {"paper": 651, "demo": 200, "accel": 500, "smoke": 3}[preset]
     c.train.max_to_keep = 3
-    c.train.log_every = {"paper": 10, "demo": 5, "accel": 25, "smoke": 1}[preset]
-    c.train.eval_every = {"paper": 651, "demo": 25, "accel": 250, "smoke": 3}[preset]
-    c.train.eval_batches = {"paper": 0, "demo": 16, "accel": 0, "smoke": 2}[preset]
+    c.train.log_every = {"paper": 10, "demo": 10, "accel": 25, "smoke": 1}[preset]
+    c.train.eval_every = {"paper": 651, "demo": 100, "accel": 250, "smoke": 3}[preset]
+    c.train.eval_batches = {"paper": 0, "demo": 0, "accel": 0, "smoke": 2}[preset]
     c.lock()
     return c

@@ -2,7 +2,7 @@
 
   python -m dspark_jax.speculate --checkpoint=DIR [--config=configs/baseline.py[:preset]] \
       [--input=IN.jsonl] [--output=OUT.json] [--temperature=T] [--top_p=P] [--concurrency=C] \
-      [--max_new_tokens=N] [--limit=N] [--seed=S] [--offline]
+      [--max_new_tokens=N] [--limit=N] [--seed=S] [--select_top_k=K] [--offline]
 
 `--checkpoint` takes a training work directory (its latest checkpoint) or one checkpoint's
 directory; the run's stored config is used unless `--config` is given (it must agree with the
@@ -45,6 +45,11 @@ _CONCURRENCY = flags.DEFINE_integer("concurrency", 1, "Requests decoded together
 _LIMIT = flags.DEFINE_integer("limit", 0, "Use only the first N conversations (0 = all).")
 _SAMPLING = SamplingFlags()
 _OFFLINE = flags.DEFINE_bool("offline", False, "Also report offline tau_prob on the validation cache.")
+_SELECT_TOP_K = flags.DEFINE_integer(
+    "select_top_k",
+    None,
+    "Draft tokens chosen among each slot's K best base logits (0 = all); default: config.",
+)
 
 
 def main(argv):
@@ -54,6 +59,10 @@ def main(argv):
         concurrency=(_CONCURRENCY.value >= 1, f"must be >= 1, got {_CONCURRENCY.value}"),
         limit=(_LIMIT.value >= 0, f"must be >= 0 (0 = all), got {_LIMIT.value}"),
         input=(epath.Path(_INPUT.value).exists(), f"{_INPUT.value} does not exist"),
+        select_top_k=(
+            _SELECT_TOP_K.value is None or _SELECT_TOP_K.value >= 0,
+            f"must be >= 0 (0 = the whole vocabulary), got {_SELECT_TOP_K.value}",
+        ),
     )
     config = checkpoint_config(_CONFIG, _CHECKPOINT.value)
     sampling, seed, max_new = _SAMPLING.resolve(config)
@@ -63,7 +72,7 @@ def main(argv):
     step = draft[3]
     conversations = read_turns_jsonl(_INPUT.value)[: _LIMIT.value or None]
     decoder = components.speculative_decoder(
-        config, target, draft[:3], batch_size=_CONCURRENCY.value, mesh=mesh
+        config, target, draft[:3], batch_size=_CONCURRENCY.value, mesh=mesh, select_top_k=_SELECT_TOP_K.value
     )
     reply_kw = dict(max_new_tokens=max_new, params=sampling, seed=seed)
     spec = generate_replies(decoder, target.tokenizer, target.chat_template, conversations, **reply_kw)
@@ -85,6 +94,7 @@ def main(argv):
             "concurrency": _CONCURRENCY.value,
             "max_new_tokens": max_new,
             "proposals_per_cycle": decoder.block_size,
+            "select_top_k": decoder.select_top_k,
             "conversations": len(conversations),
             "input": _INPUT.value,
         },

@@ -1,10 +1,8 @@
 """Target features for the cache: aux layer outputs and the post-norm final state, in bf16.
 
-Sequences are grouped into length buckets (`feature_bucket`: four per octave, so padding stays under
-a quarter of a sequence where powers of two pad up to half, and the causal attention's cost grows
-with the square of the padded length) and right-padded; one jitted forward per bucket shape returns
-`aux_hidden [B, T, A, H]` and `last_hidden [B, T, H]` already cast to bfloat16 on device, so only
-the cache's bytes cross to the host.
+Sequences are grouped into length buckets (powers of two) and right-padded; one jitted
+forward per bucket shape returns `aux_hidden [B, T, A, H]` and `last_hidden [B, T, H]`
+already cast to bfloat16 on device, so only the cache's bytes cross to the host.
 """
 
 from __future__ import annotations
@@ -19,18 +17,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from dspark_jax import sharding
+from dspark_jax.target.generate import prompt_bucket
 from dspark_jax.target.model import Transformer
-
-MIN_FEATURE_BUCKET = 64
-
-
-def feature_bucket(length: int) -> int:
-    """`length` rounded up to a multiple of an eighth of the enclosing power of two: four buckets per
-    octave (64, 80, 96, 112, 128, 160, ...), at least 64."""
-    if length <= MIN_FEATURE_BUCKET:
-        return MIN_FEATURE_BUCKET
-    step = 1 << ((length - 1).bit_length() - 3)
-    return -(-length // step) * step
 
 
 def _features(state, tokens_BxT, valid_BxT, *, graphdef, aux_layer_ids):
@@ -72,7 +60,7 @@ class FeatureExtractor:
         """`(bucket length, rows, indices)` per forward: one length bucket each, longest first."""
         by_bucket: dict[int, list[int]] = {}
         for index, ids in enumerate(sequences):
-            by_bucket.setdefault(feature_bucket(len(ids)), []).append(index)
+            by_bucket.setdefault(prompt_bucket(len(ids)), []).append(index)
         for length in sorted(by_bucket, reverse=True):
             rows = max(1, self.tokens_per_batch // length)
             members = by_bucket[length]

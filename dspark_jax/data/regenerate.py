@@ -244,7 +244,7 @@ def _turn_progress(
     turn: int,
     prompts: int,
     num_turns: int,
-    done: int,
+    done: float,
     new_tokens: int,
 ) -> None:
     """A generator's progress (`done` of a turn's `prompts`) as the share of a chunk of `num_turns` turns."""

@@ -217,11 +217,15 @@ class BatchedDecoding:
         self.compile_seconds = 0.0
         self._compiled: dict[tuple, object] = {}
 
-    def compiled(self, key: tuple, fn: Callable, *args):
-        """The compiled program for `key`: `fn` jitted and compiled for `args` on first use."""
+    def compiled(self, key: tuple, fn: Callable, *args, out_shardings=None):
+        """The compiled program for `key`: `fn` jitted and compiled for `args` on first use.
+
+        `out_shardings` pins the outputs' shardings (a program fed its own output needs them equal to
+        its inputs')."""
         if key not in self._compiled:
             begin = time.perf_counter()
-            self._compiled[key] = jax.jit(fn).lower(*args).compile()
+            jitted = jax.jit(fn) if out_shardings is None else jax.jit(fn, out_shardings=out_shardings)
+            self._compiled[key] = jitted.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - begin
         return self._compiled[key]
 
@@ -288,12 +292,13 @@ class Generator(BatchedDecoding):
         max_new_tokens: int,
         params: SamplingParams = GREEDY,
         seed: int = 0,
-        on_progress: Callable[[int, int], None] | None = None,
+        on_progress: Callable[[float, int], None] | None = None,
     ) -> list[list[int]]:
         """Generated ids per prompt, EOS excluded. Deterministic for a given seed and batching.
 
-        `on_progress(prompts_done, tokens)` is called after every program call with the prompts
-        finished so far and the tokens generated since the previous call.
+        `on_progress(prompts_done, tokens)` is called after every program call with the prompts done
+        so far (a float: the running batch counts in proportion to its decode steps) and the tokens
+        generated since the previous call.
         """
         check_prompts(prompts, max_new_tokens, self.cfg.max_position_embeddings)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i])) if self.sort_by_length else None
@@ -317,7 +322,14 @@ class Generator(BatchedDecoding):
             prefill_program = self.compiled(("prefill", *key), prefill, *prefill_args)
             begin = time.perf_counter()
             decoding = prefill_program(*prefill_args)
-            decode_program = self.compiled(("decode", *key, params), decode, self.state, decoding, batch_rng)
+            decode_program = self.compiled(
+                ("decode", *key, params),
+                decode,
+                self.state,
+                decoding,
+                batch_rng,
+                out_shardings=jax.tree.map(lambda x: x.sharding, decoding),
+            )
             tokens = 0
             while True:
                 decoding = decode_program(self.state, decoding, batch_rng)
@@ -329,8 +341,9 @@ class Generator(BatchedDecoding):
                     )
                 )
                 last = bool(all_done) or int(step) >= max_new_tokens
-                if on_progress is not None:
-                    on_progress(batch.start + batch.rows if last else batch.start, int(produced) - tokens)
+                if on_progress is not None:  # a batch counts as done in proportion to its decode steps
+                    share = 1.0 if last else int(step) / max_new_tokens
+                    on_progress(batch.start + share * batch.rows, int(produced) - tokens)
                 tokens = int(produced)
                 if last:
                     break

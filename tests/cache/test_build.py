@@ -23,9 +23,9 @@ from dspark_jax.cache.build import (
     settings_key,
     tokenize_all,
 )
-from dspark_jax.cache.features import feature_bucket
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import tokenize_conversation
+from dspark_jax.target.generate import prompt_bucket
 from tests.data.fake_gcs import fake_gcs
 
 CONVERSATIONS = [
@@ -52,7 +52,7 @@ def target(mesh1):
 
 def _direct_forward(model, ids):
     """The target alone on one sample, right-padded to its length bucket (padding masked), in bf16."""
-    length = feature_bucket(len(ids))
+    length = prompt_bucket(len(ids))
     tokens = np.zeros((1, length), np.int32)
     tokens[0, : len(ids)] = ids
     out = jax.jit(lambda t, v: model(t, valid_BxT=v, aux_layer_ids=(-1, 1, 3)))(

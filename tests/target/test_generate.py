@@ -114,3 +114,19 @@ def test_bad_requests_raise(model, mesh1):
 
 def test_prompt_bucket():
     assert [prompt_bucket(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+
+
+def test_length_sorted_batches_and_decode_segments_change_no_output(model, mesh1):
+    """Batching shortest first and returning to the host every few decode steps (progress) leave every
+    greedy reply as the unsorted single-program decode gives it, in request order."""
+    prompts = [[5] * 30, [9, 11], [7] * 17, [20, 21, 22], [1, 2, 4, 8, 16], [12] * 9]
+    reference = Generator(
+        model, eos_ids=[EOS], pad_id=0, batch_size=2, mesh=mesh1, sort_by_length=False, decode_steps=64
+    ).generate(prompts, max_new_tokens=20)
+    calls = []
+    gen = Generator(model, eos_ids=[EOS], pad_id=0, batch_size=2, mesh=mesh1, decode_steps=3)
+    got = gen.generate(prompts, max_new_tokens=20, on_progress=lambda done, new: calls.append((done, new)))
+    assert got == reference
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and done[-1] == len(prompts) and len(calls) > len(prompts)
+    assert sum(new for _, new in calls) >= sum(map(len, got))  # EOS tokens count as produced

@@ -19,7 +19,7 @@ from dspark_jax.train.checkpoint import Checkpointer
 from dspark_jax.train.loop import NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[2]
-TIMING = ("train/step_seconds", "train/tokens_per_second")
+TIMING = ("train/step_seconds", "train/tokens_per_second", "train/wall_minutes", "eval/wall_minutes")
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +195,8 @@ def test_metrics_are_finite_and_named(cache_dir, tmp_path):
         "eval/confidence_cumprod_bias",
         "train/anchors_per_row",
         "train/samples_per_step",
+        "train/wall_minutes",
+        "eval/wall_minutes",
     ):
         assert math.isfinite(last[name]), name
     assert (tmp_path / "tensorboard").is_dir()

@@ -52,7 +52,7 @@ class ProgressLogger:
         total_steps: int,
         start_step: int = 0,
         *,
-        every_seconds: float = 30.0,
+        every_seconds: float = 10.0,
         window: int = 5,
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger = log,

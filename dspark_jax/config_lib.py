@@ -53,6 +53,7 @@ RESUMABLE_KEYS = (
     "draft.attention",
     "draft.anchor_chunk",
     "draft.remat",
+    "draft.memory_source",
     "target.name",
 )
 

@@ -108,6 +108,19 @@ class DraftConfig:
         return 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
 
 
+class DraftMemory(NamedTuple):
+    """Extra key/value sources of each block (Draft Memory), visible to their own block only.
+
+    `states_BxNxMxH` are already adapted (`MemoryAdapter`); every draft layer projects them with its own
+    K/V weights. `positions_BxNxM` are their RoPE positions as row indices (like anchors: a packed
+    block's sample start is subtracted); `valid_BxNxM` marks the slots that exist.
+    """
+
+    states_BxNxMxH: jax.Array
+    positions_BxNxM: jax.Array
+    valid_BxNxM: jax.Array
+
+
 class FrozenTarget(NamedTuple):
     """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft."""
 
@@ -149,32 +162,33 @@ class DraftLayer(DecoderBlock):
         ctx_kv,
         anchors_BxN,
         inv_freq,
-        memory_BxNxMxH=None,
-        memory_valid_BxNxM=None,
+        memory: DraftMemory | None = None,
         starts_BxN=None,
     ):
         """One layer over `N` blocks of `S` slots; `ctx_kv = (k_BxTxGxD, v_BxTxGxD)` from `context_kv`.
 
-        `starts_BxN`: the first position of each block's sample in a packed row (None = 0): its context
-        starts there and its RoPE positions count from there.
+        `memory`: per-block extra key/value sources (Draft Memory), through this layer's own K/V
+        projections. `starts_BxN`: the first position of each block's sample in a packed row (None = 0):
+        its context starts there and its RoPE positions count from there.
         """
         b, n, s, _ = x_BxNxSxH.shape
-        anchor_pos_BxN = anchors_BxN if starts_BxN is None else anchors_BxN - starts_BxN
+        start_BxN = 0 if starts_BxN is None else starts_BxN
+        anchor_pos_BxN = anchors_BxN - start_BxN
         slot_pos_BxNS = (anchor_pos_BxN[:, :, None] + jnp.arange(s)).reshape(b, n * s)
         h_BxNSxH = self.input_norm(x_BxNxSxH).reshape(b, n * s, -1)
         q = apply_rope(self.attn.queries(h_BxNSxH), slot_pos_BxNS, inv_freq)
         k_blk, v_blk = self.attn.keys_values(h_BxNSxH)
         k_blk = apply_rope(k_blk, slot_pos_BxNS, inv_freq)
         k_ctx, v_ctx = ctx_kv
-        memory = None
-        if memory_BxNxMxH is not None:
-            m = memory_BxNxMxH.shape[2]
-            k_mem, v_mem = self.attn.keys_values(memory_BxNxMxH.reshape(b, n * m, -1))
-            mem_pos = (anchor_pos_BxN[:, :, None] + 1 + jnp.arange(m)).reshape(b, -1)
-            memory = BlockMemory(
-                apply_rope(k_mem, mem_pos, inv_freq).reshape(b, n, m, *k_mem.shape[2:]),
+        memory_kv = None
+        if memory is not None:
+            m = memory.states_BxNxMxH.shape[2]
+            k_mem, v_mem = self.attn.keys_values(memory.states_BxNxMxH.reshape(b, n * m, -1))
+            mem_pos_BxNM = (memory.positions_BxNxM - jnp.asarray(start_BxN)[..., None]).reshape(b, n * m)
+            memory_kv = BlockMemory(
+                apply_rope(k_mem, mem_pos_BxNM, inv_freq).reshape(b, n, m, *k_mem.shape[2:]),
                 v_mem.reshape(b, n, m, *v_mem.shape[2:]),
-                memory_valid_BxNxM,
+                memory.valid_BxNxM,
             )
         blocks = lambda t: t.reshape(b, n, s, *t.shape[2:])
         out = block_attention(
@@ -184,7 +198,7 @@ class DraftLayer(DecoderBlock):
             blocks(k_blk),
             blocks(v_blk),
             anchors_BxN,
-            memory,
+            memory_kv,
             starts_BxN,
             implementation=self.cfg.attention,
             anchor_chunk=self.cfg.anchor_chunk,
@@ -270,16 +284,12 @@ class DSparkDraft(nnx.Module):
         inv_freq = self.inv_freq.get_value()
         return [layer.context_kv(ctx_BxTxH, positions_BxT, inv_freq) for layer in self.layers]
 
-    def backbone(
-        self, x_BxNxSxH, ctx_kvs, anchors_BxN, memory_BxNxMxH=None, memory_valid_BxNxM=None, starts_BxN=None
-    ):
+    def backbone(self, x_BxNxSxH, ctx_kvs, anchors_BxN, memory: DraftMemory | None = None, starts_BxN=None):
         """Final draft states `h [B, N, S, H]` (after the final RMSNorm); `ctx_kvs` from `context_kv`;
-        `starts_BxN` as in `DraftLayer.__call__`."""
+        `memory` and `starts_BxN` as in `DraftLayer.__call__` (the same memory states for every layer)."""
         inv_freq = self.inv_freq.get_value()
         for layer, ctx_kv in zip(self.layers, ctx_kvs, strict=True):
-            x_BxNxSxH = layer(
-                x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory_BxNxMxH, memory_valid_BxNxM, starts_BxN
-            )
+            x_BxNxSxH = layer(x_BxNxSxH, ctx_kv, anchors_BxN, inv_freq, memory, starts_BxN)
             x_BxNxSxH = sharding.constrain(x_BxNxSxH, ("batch", None, None, None))
         return self.final_norm(x_BxNxSxH)
 

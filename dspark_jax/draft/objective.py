@@ -150,9 +150,23 @@ def block_objective_sums(
     `cumprod_i(sigmoid(s_i) * mask_i) - cumprod_i(a_i * mask_i)`), `predictions` (valid
     predictions), plus the `extra_sums` of `head_fn`.
     """
+    body = lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, *chunk_xs)
+    xs = (dict(head_inputs), teacher_hidden_BxNxSxH, labels_BxNxS, eval_mask_BxNxS)
+    per_chunk = scan_anchor_chunks(body, xs, anchor_chunk, remat=remat)
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_chunk)
+
+
+def scan_anchor_chunks(fn: Callable, inputs, anchor_chunk: int, *, remat: bool = False):
+    """`fn` over chunks of `C = min(anchor_chunk, N)` anchors under `jax.lax.scan`: outputs `[N / C, ...]`.
+
+    Every leaf of `inputs` is `[B, N, ...]` and is cut along the anchor axis 1 (zero-padded up to a
+    multiple of `C`); `fn` gets one chunk (`[B, C, ...]` leaves) and its outputs are stacked along a new
+    leading chunk axis. `remat` wraps `fn` in `jax.checkpoint` (the backward pass recomputes each chunk).
+    Vocabulary-sized work done per chunk is never live for all `N` anchors at once.
+    """
     if anchor_chunk < 1:
         raise ValueError(f"anchor_chunk must be >= 1, got {anchor_chunk}")
-    num_anchors = eval_mask_BxNxS.shape[1]
+    num_anchors = jax.tree.leaves(inputs)[0].shape[1]
     chunk = min(anchor_chunk, num_anchors)
     num_chunks = -(-num_anchors // chunk)
     pad = num_chunks * chunk - num_anchors
@@ -163,15 +177,20 @@ def block_objective_sums(
         chunked = x.reshape(x.shape[0], num_chunks, chunk, *x.shape[2:])  # [B, num_chunks, C, ...]
         return jnp.moveaxis(chunked, 1, 0)
 
-    xs = jax.tree.map(to_chunks, (dict(head_inputs), teacher_hidden_BxNxSxH, labels_BxNxS, eval_mask_BxNxS))
-    body = lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, *chunk_xs)
     if remat:
-        body = jax.checkpoint(body, prevent_cse=False)
-    _, per_chunk = jax.lax.scan(lambda carry, chunk_xs: (carry, body(chunk_xs)), None, xs)
-    return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_chunk)
+        fn = jax.checkpoint(fn, prevent_cse=False)
+    _, per_chunk = jax.lax.scan(lambda carry, xs: (carry, fn(xs)), None, jax.tree.map(to_chunks, inputs))
+    return per_chunk
 
 
-def _safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
+def from_anchor_chunks(stacked: jax.Array, num_anchors: int) -> jax.Array:
+    """Per-anchor outputs of `scan_anchor_chunks` (`[N / C, B, C, ...]`) back to `[B, N, ...]`."""
+    num_chunks, b, c = stacked.shape[:3]
+    merged = jnp.moveaxis(stacked, 0, 1).reshape(b, num_chunks * c, *stacked.shape[3:])
+    return merged[:, :num_anchors]
+
+
+def safe_div(num: jax.Array, den: jax.Array) -> jax.Array:
     """`num / den`, 0 where `den == 0` (gradient-safe)."""
     nonzero = den > 0
     return jnp.where(nonzero, num / jnp.where(nonzero, den, 1.0), 0.0)
@@ -189,7 +208,7 @@ def loss_denominators(sums: Mapping[str, jax.Array], terms: LossTerms = DSPARK_L
 
 def normalise(numerators: jax.Array, denominators: jax.Array) -> jax.Array:
     """`numerators / denominators` per group, 0 for an empty group (a group with no valid prediction)."""
-    return _safe_div(numerators, denominators)
+    return safe_div(numerators, denominators)
 
 
 def loss_from_sums(sums: Mapping[str, jax.Array], terms: LossTerms = DSPARK_LOSS) -> jax.Array:
@@ -209,18 +228,18 @@ def metrics_from_sums(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     weight, predictions = sums["weight"], sums["predictions"]
     metrics = {
         "loss": loss_from_sums(sums),
-        **{name: _safe_div(sums[name], weight) for name in ("ce", "l1", "bce")},
+        **{name: safe_div(sums[name], weight) for name in ("ce", "l1", "bce")},
         **{
-            f"{name}_per_token": _safe_div(sums[f"{name}_unweighted"], predictions)
+            f"{name}_per_token": safe_div(sums[f"{name}_unweighted"], predictions)
             for name in ("ce", "l1", "bce")
         },
-        "tau_prob": _safe_div(sums["tau"], sums["blocks"]),
-        "confidence_abs_error": _safe_div(sums["conf_abs_err"], weight),
-        "confidence_bias": _safe_div(sums["conf_bias"], weight),
-        "confidence_cumprod_bias": _safe_div(sums["conf_cumprod_bias"], weight),
+        "tau_prob": safe_div(sums["tau"], sums["blocks"]),
+        "confidence_abs_error": safe_div(sums["conf_abs_err"], weight),
+        "confidence_bias": safe_div(sums["conf_bias"], weight),
+        "confidence_cumprod_bias": safe_div(sums["conf_cumprod_bias"], weight),
         "valid_blocks": sums["blocks"],
         "valid_predictions": predictions,
     }
-    accept_rate_S = _safe_div(sums["accept"], sums["accept_count"])
+    accept_rate_S = safe_div(sums["accept"], sums["accept_count"])
     metrics |= {f"accept_rate_{i}": accept_rate_S[i] for i in range(accept_rate_S.shape[0])}
     return metrics

@@ -5,21 +5,27 @@ from __future__ import annotations
 import jax
 
 from dspark_jax.draft import blocks, objective
-from dspark_jax.draft.model import DSparkDraft, FrozenTarget
+from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget
 from dspark_jax.experiments.registry import Batch, Experiment, register
 
 
-def draft_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[str, jax.Array]:
-    """Objective and metric sums of the DSpark draft on one (micro-)batch, block targets derived on device."""
-    cfg = model.cfg
-    anchors_BxN = batch["anchors"]
+def block_states(
+    model: DSparkDraft,
+    frozen: FrozenTarget,
+    batch: Batch,
+    anchors_BxN: jax.Array,
+    block_keep_BxN: jax.Array,
+    memory: DraftMemory | None = None,
+) -> tuple[blocks.BlockTargets, jax.Array]:
+    """Block targets (derived on device) and final draft states `h [B, N, S, H]` of the blocks at
+    `anchors_BxN` (kept where `block_keep_BxN`); `memory` adds per-block key/value sources."""
     positions_BxT = batch["positions"]
     targets = blocks.block_targets(
         batch["input_ids"],
         batch["loss_mask"],
         anchors_BxN,
-        batch["block_keep"],
-        cfg.block_size,
+        block_keep_BxN,
+        model.cfg.block_size,
         positions_BxT,
     )
     ctx_BxTxH = model.context(batch["aux_hidden"].astype(model.dtype))
@@ -27,8 +33,22 @@ def draft_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[s
         model.block_inputs(frozen, targets.predecessors[..., 0]),
         model.context_kv(ctx_BxTxH, positions_BxT),
         anchors_BxN,
+        memory,
         starts_BxN=blocks.sample_starts(positions_BxT, anchors_BxN),
     )
+    return targets, h_BxNxSxH
+
+
+def objective_sums(
+    model: DSparkDraft,
+    frozen: FrozenTarget,
+    batch: Batch,
+    anchors_BxN: jax.Array,
+    targets: blocks.BlockTargets,
+    h_BxNxSxH: jax.Array,
+) -> dict[str, jax.Array]:
+    """Objective and metric sums of the blocks at `anchors_BxN` from their `block_states`."""
+    cfg = model.cfg
     return objective.block_objective_sums(
         lambda chunk: model.heads(frozen, chunk["h"], chunk["predecessors"]),
         {"h": h_BxNxSxH, "predecessors": targets.predecessors},
@@ -39,6 +59,13 @@ def draft_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[s
         anchor_chunk=cfg.anchor_chunk,
         remat=cfg.remat,
     )
+
+
+def draft_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[str, jax.Array]:
+    """Objective and metric sums of the DSpark draft on one (micro-)batch: the batch's own anchors."""
+    anchors_BxN = batch["anchors"]
+    targets, h_BxNxSxH = block_states(model, frozen, batch, anchors_BxN, batch["block_keep"])
+    return objective_sums(model, frozen, batch, anchors_BxN, targets, h_BxNxSxH)
 
 
 BASELINE = register(Experiment(name="baseline", build_draft=DSparkDraft, train_sums=draft_sums))

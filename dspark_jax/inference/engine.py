@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.draft.model import DSparkDraft, FrozenTarget
+from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget
 from dspark_jax.inference.acceptance import accept_greedy, accept_sampling
 from dspark_jax.target.generate import SamplingParams, sample
 from dspark_jax.target.model import KVCache, Transformer
@@ -109,11 +109,14 @@ def append_context(draft: DSparkDraft, draft_k, draft_v, aux_BxTxAxH, start_B):
     return new_k, new_v
 
 
-def draft_hidden(draft: DSparkDraft, frozen: FrozenTarget, state: SpecState) -> jax.Array:
-    """Draft states `h [B, S, H]` of the block anchored at `p` (context `j < p`)."""
+def draft_hidden(
+    draft: DSparkDraft, frozen: FrozenTarget, state: SpecState, memory: DraftMemory | None = None
+) -> jax.Array:
+    """Draft states `h [B, S, H]` of the block anchored at `p` (context `j < p`; `memory` of one block
+    per row, `[B, 1, M, ...]`)."""
     x_Bx1xSxH = draft.block_inputs(frozen, state.pending_B[:, None])
     ctx_kvs = list(zip(state.draft_k, state.draft_v))
-    return draft.backbone(x_Bx1xSxH, ctx_kvs, state.target_cache.end_B[:, None])[:, 0]
+    return draft.backbone(x_Bx1xSxH, ctx_kvs, state.target_cache.end_B[:, None], memory)[:, 0]
 
 
 def markov_select(

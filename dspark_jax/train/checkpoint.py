@@ -188,23 +188,26 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _check_matches(saved_metadata: Any, abstract_state: Any, *, where: epath.Path) -> None:
-    """Raises a ValueError naming the first key path where the saved tree and the target differ."""
+    """Raises a ValueError naming every key path the saved tree lacks or adds, or the first whose shape
+    differs (a checkpoint of another experiment group or draft shape)."""
     saved = _flat_shapes(saved_metadata)
     target = _flat_shapes(abstract_state)
-    problem = None
-    for name, shape in target.items():
-        if name not in saved:
-            problem = f"{name!r} is in the target state but not in the checkpoint"
-        elif saved[name] != shape:
-            problem = f"{name!r} has shape {saved[name]} in the checkpoint but {shape} in the target state"
-        if problem:
-            break
-    else:
-        extra = [name for name in saved if name not in target]
-        if extra:
-            problem = f"{extra[0]!r} is in the checkpoint but not in the target state"
-    if problem:
+    missing = [name for name in target if name not in saved]
+    extra = [name for name in saved if name not in target]
+    resized = [
+        f"{name!r} has shape {saved[name]} in the checkpoint but {shape} in the model"
+        for name, shape in target.items()
+        if name in saved and saved[name] != shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {', '.join(missing)}")
+    if extra:
+        problems.append(f"in the checkpoint but not in the model: {', '.join(extra)}")
+    if resized:
+        problems.append(resized[0])
+    if problems:
         raise ValueError(
-            f"checkpoint {where} does not match the model/optimizer being restored: {problem} "
-            f"(saved by a different config? use a fresh checkpoint directory)"
+            f"checkpoint {where} does not match the model/optimizer being restored: {'; '.join(problems)} "
+            f"(saved by a different config or experiment group? use its own config or a fresh directory)"
         )

@@ -52,29 +52,41 @@ def _softplus(z):
     return np.logaddexp(0.0, z)
 
 
-def _reference(p, emb, lm_head, mask_vec, batch):
-    """Metrics of DESIGN.md section 2 for the baseline draft, float64, one sample and block at a time."""
-    ids, loss_mask = np.asarray(batch["input_ids"]), np.asarray(batch["loss_mask"])
-    aux, last = (np.asarray(batch[k], np.float64) for k in ("aux_hidden", "last_hidden"))
-    emb, lm_head, mask_vec = (np.asarray(v, np.float64) for v in (emb, lm_head, mask_vec))
-    anchors, keep = np.asarray(batch["anchors"]), np.asarray(batch["block_keep"])
+def _forward(p, emb, mask_vec, batch, anchors, memory=None):
+    """Final draft states `h [B, N, S, H]`, float64, one sample at a time, dense visibility masks.
+
+    `memory`: None, or per-block `(states [B, N, M, H] (adapted), positions [B, N, M], valid [B, N, M])`,
+    keys/values visible to their own block only.
+    """
+    ids = np.asarray(batch["input_ids"])
+    aux = np.asarray(batch["aux_hidden"], np.float64)
+    emb, mask_vec = np.asarray(emb, np.float64), np.asarray(mask_vec, np.float64)
     positions = np.asarray(batch["positions"])
+    b_rows, t = ids.shape
+    n_blocks = anchors.shape[1]
     heads_per_kv = CFG.num_heads // CFG.num_kv_heads
-    rows = []  # (eval_mask_i, w_i, ce, l1, bce, overlap, sigmoid(s)) per prediction
-    taus = []
-    for b in range(ids.shape[0]):
-        c = _rms(aux[b].reshape(T, A * H) @ p["aux_proj/kernel"], p["aux_norm/scale"])
+    out_h = []
+    for b in range(b_rows):
+        c = _rms(aux[b].reshape(t, -1) @ p["aux_proj/kernel"], p["aux_norm/scale"])
         a_n = anchors[b]
         start_n = a_n - positions[b, a_n]  # first index of each block's own sample
         x = np.stack(
             [np.concatenate([emb[ids[b, a]][None], np.repeat(mask_vec[None], S - 1, 0)]) for a in a_n]
         )
-        x = x.reshape(N * S, H)
+        x = x.reshape(n_blocks * S, -1)
         slot_pos = (a_n[:, None] - start_n[:, None] + np.arange(S)).reshape(-1)
-        blk = np.repeat(np.arange(N), S)
-        j = np.arange(T)[None, :]
+        blk = np.repeat(np.arange(n_blocks), S)
+        j = np.arange(t)[None, :]
         own_context = (j < a_n[blk][:, None]) & (j >= start_n[blk][:, None])
         visible = np.concatenate([own_context, blk[:, None] == blk[None, :]], 1)
+        if memory is not None:
+            states, mem_positions, mem_valid = (np.asarray(v) for v in memory)
+            m = states.shape[2]
+            mem_blk = np.repeat(np.arange(n_blocks), m)
+            mem_states = states[b].reshape(n_blocks * m, -1).astype(np.float64)
+            mem_pos = (mem_positions[b] - start_n[:, None]).reshape(-1)
+            own_memory = (blk[:, None] == mem_blk[None, :]) & mem_valid[b].reshape(1, -1)
+            visible = np.concatenate([visible, own_memory], 1)
         for layer in range(CFG.num_layers):
             w = {k.split("/", 2)[2]: v for k, v in p.items() if k.startswith(f"layers/{layer}/")}
             hn = _rms(x, w["input_norm/scale"])
@@ -86,8 +98,11 @@ def _reference(p, emb, lm_head, mask_vec, batch):
                 k_ = _rms(np.einsum("ih,hgd->igd", src, w["attn/k/kernel"]), w["attn/k_norm/scale"])
                 return _rope(k_, pos), np.einsum("ih,hgd->igd", src, w["attn/v/kernel"])
 
-            (kc, vc), (kb, vb) = kv(c, positions[b]), kv(hn, slot_pos)
-            keys, values = np.concatenate([kc, kb]), np.concatenate([vc, vb])
+            sources = [kv(c, positions[b]), kv(hn, slot_pos)]
+            if memory is not None:
+                sources.append(kv(mem_states, mem_pos))  # adapted states: no input norm
+            keys = np.concatenate([k_ for k_, _ in sources])
+            values = np.concatenate([v_ for _, v_ in sources])
             out = np.zeros_like(q)
             for head in range(CFG.num_heads):
                 score = q[:, head] @ keys[:, head // heads_per_kv].T / np.sqrt(CFG.head_dim)
@@ -96,17 +111,35 @@ def _reference(p, emb, lm_head, mask_vec, batch):
             hn = _rms(x, w["post_attn_norm/scale"])
             gate = hn @ w["mlp/gate/kernel"]
             x = x + (gate / (1 + np.exp(-gate)) * (hn @ w["mlp/up/kernel"])) @ w["mlp/down/kernel"]
-        h = _rms(x, p["final_norm/scale"]).reshape(N, S, H)
-        for n, a in enumerate(a_n):
-            em = np.cumprod(
-                [
-                    keep[b, n]
-                    and a + 1 + i < T
-                    and loss_mask[b, a + 1 + i]
-                    and positions[b, a + 1 + i] == positions[b, a] + 1 + i  # the anchor's own sample
-                    for i in range(S)
-                ]
-            )
+        out_h.append(_rms(x, p["final_norm/scale"]).reshape(n_blocks, S, -1))
+    return np.stack(out_h)
+
+
+def _eval_mask(batch, b, a, keep):
+    """DESIGN.md's cumulative validity of the predictions of the block at `a` in row `b`."""
+    loss_mask, positions = np.asarray(batch["loss_mask"]), np.asarray(batch["positions"])
+    t = loss_mask.shape[1]
+    return np.cumprod(
+        [
+            keep
+            and a + 1 + i < t
+            and loss_mask[b, a + 1 + i]
+            and positions[b, a + 1 + i] == positions[b, a] + 1 + i  # the anchor's own sample
+            for i in range(S)
+        ]
+    )
+
+
+def _metrics(p, h, lm_head, batch, anchors, keep):
+    """Metrics of DESIGN.md section 2 from final states `h [B, N, S, H]` of the blocks at `anchors`."""
+    ids = np.asarray(batch["input_ids"])
+    last = np.asarray(batch["last_hidden"], np.float64)
+    lm_head = np.asarray(lm_head, np.float64)
+    rows = []  # (eval_mask_i, w_i, ce, l1, bce, overlap, sigmoid(s)) per prediction
+    taus = []
+    for b in range(ids.shape[0]):
+        for n, a in enumerate(anchors[b]):
+            em = _eval_mask(batch, b, a, keep[b, n])
             run = 1.0
             tau = 1.0
             for i in range(S):
@@ -114,18 +147,18 @@ def _reference(p, emb, lm_head, mask_vec, batch):
                     rows.append((0.0,) * 7)
                     continue
                 m = p["markov/w1"][ids[b, a + i]]
-                logits = h[n, i] @ lm_head + m @ p["markov/w2"]
+                logits = h[b, n, i] @ lm_head + m @ p["markov/w2"]
                 q_i, p_i = _softmax(logits), _softmax(last[b, a + i] @ lm_head)
                 ce = -np.log(q_i[ids[b, a + 1 + i]])
                 overlap = np.minimum(p_i, q_i).sum()
-                s = np.concatenate([h[n, i], m]) @ p["confidence/kernel"] + p["confidence/bias"]
+                s = np.concatenate([h[b, n, i], m]) @ p["confidence/kernel"] + p["confidence/bias"]
                 bce = overlap * _softplus(-s) + (1 - overlap) * _softplus(s)
                 rows.append(
                     (1.0, np.exp(-i / 4), ce, np.abs(p_i - q_i).sum(), bce, overlap, 1 / (1 + np.exp(-s)))
                 )
                 run *= overlap
                 tau += run
-            if keep[b, n]:
+            if em[0]:
                 taus.append(tau)
     em, wt, ce, l1, bce, ov, sig = np.asarray(rows).reshape(-1, S, 7).transpose(2, 0, 1)
     out = {name: (wt * t).sum() / wt.sum() for name, t in (("ce", ce), ("l1", l1), ("bce", bce))}
@@ -138,7 +171,14 @@ def _reference(p, emb, lm_head, mask_vec, batch):
     prefix_gap = np.cumprod(sig * em, axis=1) - np.cumprod(ov * em, axis=1)
     out["confidence_cumprod_bias"] = (prefix_gap * w).sum() / w.sum()
     out["valid_predictions"] = em.sum()
+    out["valid_blocks"] = float(len(taus))
     return out
+
+
+def _reference(p, emb, lm_head, mask_vec, batch):
+    """The baseline draft's metrics on the batch's own anchors."""
+    anchors, keep = np.asarray(batch["anchors"]), np.asarray(batch["block_keep"])
+    return _metrics(p, _forward(p, emb, mask_vec, batch, anchors), lm_head, batch, anchors, keep)
 
 
 def _batch(rng):

@@ -117,12 +117,15 @@ def test_restore_from_empty_directory_and_without_iterator_state(tmp_path):
         ),
         (
             lambda s: s["params"].__setitem__("extra", jnp.zeros(3)),
-            r"'params\.extra' is in the target state but not",
+            r"missing from the checkpoint: params\.extra",
         ),
-        (lambda s: s["params"]["down"].pop("bias"), r"'params\.down\.bias' is in the checkpoint but not"),
+        (
+            lambda s: s["params"]["down"].pop("bias"),
+            r"in the checkpoint but not in the model: params\.down\.bias",
+        ),
     ],
 )
-def test_mismatching_target_names_the_first_bad_key_path(tmp_path, edit, message):
+def test_mismatching_target_names_the_bad_key_paths(tmp_path, edit, message):
     state = {
         "params": {
             "up": {"kernel": jnp.ones((8, 16))},

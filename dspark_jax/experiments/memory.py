@@ -1,0 +1,148 @@
+"""Group 5, Draft Memory: two-stage training and multi-round inference with last-round draft states.
+
+Training, one jitted function per micro-batch (index math: `dspark_jax.draft.memory`):
+
+  stage 1  the draft without memory on the batch's anchors, under `stop_gradient` (a parameter copy
+           no gradient reaches): greedy leading matches `m` with the recorded tokens;
+  stage 2  the draft on `a' = a + m + 1` with context `j < a'` and the adapted stage-1 states as
+           memory; the baseline loss on stage 2 only. Dropped transitions carry no weight.
+
+Inference keeps each request's last-round final states and feeds the suffix past the first rejection
+to the next round (`MEMORY_PROPOSER`); `memory_source` picks the memory-conditioned states of the
+round itself or one extra memory-free pass (what training sees).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.draft import memory as memory_lib
+from dspark_jax.draft import objective
+from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.experiments.baseline import block_states, objective_sums
+from dspark_jax.experiments.registry import Batch, Experiment, register
+from dspark_jax.inference import engine
+
+
+def two_stage_sums(
+    stage1: memory_lib.MemoryDraft, model: memory_lib.MemoryDraft, frozen: FrozenTarget, batch: Batch
+) -> dict[str, jax.Array]:
+    """Stage-2 objective sums and the stage-1 / transition statistics of one micro-batch.
+
+    `stage1` is the model stage 1 runs with (`memory_sums` passes a stop-gradient copy of `model`).
+    Extra sums: `stage1_blocks` (stage-1 blocks with a valid first prediction), `stage1_matches` (their
+    summed `m`), `stage1_match_hist` [S + 1] (those blocks per `m`), `transitions` (stage-2 blocks with
+    a valid first prediction: the blocks the loss sees), `memory_blocks` (those with at least one memory
+    slot) and `memory_slots` (their summed memory length).
+    """
+    anchors_BxN, keep_BxN = batch["anchors"], batch["block_keep"]
+    targets1, h1_BxNxSxH = block_states(stage1, frozen, batch, anchors_BxN, keep_BxN)
+    h1_BxNxSxH = jax.lax.stop_gradient(h1_BxNxSxH)
+    matches_BxN = jax.lax.stop_gradient(memory_lib.leading_matches(stage1, frozen, h1_BxNxSxH, targets1))
+    step = memory_lib.transition(anchors_BxN, matches_BxN, keep_BxN, batch["loss_mask"], batch["positions"])
+    memory = model.memory(h1_BxNxSxH, anchors_BxN, matches_BxN, step.keep_BxN)
+    targets2, h2_BxNxSxH = block_states(model, frozen, batch, step.anchors_BxN, step.keep_BxN, memory)
+    sums = objective_sums(model, frozen, batch, step.anchors_BxN, targets2, h2_BxNxSxH)
+
+    stage1_BxN = targets1.eval_mask[..., 0] != 0
+    stage2_BxN = targets2.eval_mask[..., 0] != 0
+    memory_len_BxN = jnp.sum(memory.valid_BxNxM, axis=-1)
+    total = lambda x: jnp.sum(x).astype(jnp.float32)
+    match_hist_BxNxS1 = jax.nn.one_hot(matches_BxN, model.cfg.block_size + 1) * stage1_BxN[..., None]
+    return sums | {
+        "stage1_blocks": total(stage1_BxN),
+        "stage1_matches": total(jnp.where(stage1_BxN, matches_BxN, 0)),
+        "stage1_match_hist": jnp.sum(match_hist_BxNxS1, axis=(0, 1)),
+        "transitions": total(stage2_BxN),
+        "memory_blocks": total(stage2_BxN & (memory_len_BxN > 0)),
+        "memory_slots": total(jnp.where(stage2_BxN, memory_len_BxN, 0)),
+    }
+
+
+def memory_sums(model: memory_lib.MemoryDraft, frozen: FrozenTarget, batch: Batch) -> dict[str, jax.Array]:
+    """`two_stage_sums` with stage 1 on a stop-gradient copy of `model`'s parameters."""
+    graphdef, state = nnx.split(model)
+    return two_stage_sums(nnx.merge(graphdef, jax.lax.stop_gradient(state)), model, frozen, batch)
+
+
+def memory_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """The baseline metrics of stage 2 plus the stage-1 and transition statistics.
+
+    `stage1_mean_matches` and `stage1_matches_{k}` (share of stage-1 blocks with `m = k`);
+    `transition_kept` (stage-2 blocks per stage-1 block); `memory_block_fraction` and
+    `memory_mean_length` (over stage-2 blocks, empty memories included).
+    """
+    div = objective.safe_div
+    stage1, transitions = sums["stage1_blocks"], sums["transitions"]
+    hist = sums["stage1_match_hist"]
+    return (
+        objective.metrics_from_sums(sums)
+        | {
+            "stage1_mean_matches": div(sums["stage1_matches"], stage1),
+            "transition_kept": div(transitions, stage1),
+            "memory_block_fraction": div(sums["memory_blocks"], transitions),
+            "memory_mean_length": div(sums["memory_slots"], transitions),
+        }
+        | {f"stage1_matches_{k}": div(hist[k], stage1) for k in range(hist.shape[0])}
+    )
+
+
+class MemoryCarry(NamedTuple):
+    """Per request: the last round's final states `[B, S, H]`, its anchor, its accepted count, and
+    whether there was a last round."""
+
+    h_BxSxH: jax.Array
+    anchor_B: jax.Array
+    matches_B: jax.Array
+    present_B: jax.Array
+
+
+def _init_carry(draft: memory_lib.MemoryDraft, rows: int) -> MemoryCarry:
+    cfg = draft.cfg
+    zeros_B = jnp.zeros((rows,), jnp.int32)
+    h = jnp.zeros((rows, cfg.block_size, cfg.hidden_size), draft.dtype)
+    return MemoryCarry(h, zeros_B, zeros_B, jnp.zeros((rows,), bool))
+
+
+def _draft_pass(draft: memory_lib.MemoryDraft, frozen: FrozenTarget, state: engine.SpecState) -> dict:
+    """This round's states with the last round's memory, and the states the next round's memory comes
+    from (the same ones, or one memory-free pass with `memory_source='no_memory'`)."""
+    carry: MemoryCarry = state.carry
+    memory = draft.memory(
+        carry.h_BxSxH[:, None], carry.anchor_B[:, None], carry.matches_B[:, None], carry.present_B[:, None]
+    )
+    h_BxSxH = engine.draft_hidden(draft, frozen, state, memory)
+    source_BxSxH = h_BxSxH
+    if draft.cfg.memory_source == "no_memory":
+        source_BxSxH = engine.draft_hidden(draft, frozen, state)
+    return {"h": h_BxSxH, "source": source_BxSxH, "anchor": state.target_cache.end_B}
+
+
+def _select(draft, frozen, draft_out, state, rng, settings) -> engine.Proposals:
+    return engine.markov_select(draft, frozen, draft_out["h"], state, rng, settings)
+
+
+def _next_carry(draft, carry: MemoryCarry, draft_out, num_accepted_B, active_B) -> MemoryCarry:
+    """The next round's memory source: this round's states, anchor and accepted count (active rows)."""
+    present_B = jnp.ones_like(carry.present_B)
+    new = MemoryCarry(draft_out["source"], draft_out["anchor"], num_accepted_B, present_B)
+    return jax.tree.map(lambda n, o: jnp.where(active_B.reshape(-1, *[1] * (n.ndim - 1)), n, o), new, carry)
+
+
+MEMORY_PROPOSER = engine.Proposer(_draft_pass, _select, _init_carry, _next_carry)
+
+MEMORY = register(
+    Experiment(
+        name="memory",
+        build_draft=memory_lib.MemoryDraft,
+        train_sums=memory_sums,
+        metrics=memory_metrics,
+        proposer=MEMORY_PROPOSER,
+        config_class=memory_lib.MemoryDraftConfig,
+    )
+)

@@ -1,7 +1,11 @@
 """Training step time and tokens/s of the demo and smoke presets, and blocked vs dense block attention.
 
-  python benchmarks/train_step.py [--steps=5] [--presets=smoke,demo] [--config=configs/baseline.py] \
+  python benchmarks/train_step.py [--steps=5] [--presets=smoke,demo] \
+      [--config=configs/baseline.py,configs/memory.py] \
       [--overrides=train.global_batch=4,train.grad_accum=1] [--shape_only]
+
+With several configs (comma-separated) each row also shows its step time relative to the first
+config's at the same preset (e.g. Draft Memory's two-stage step next to the baseline's).
 
 Step timing uses synthetic batches with each preset's exact shapes (values do not change
 the work), so no cache is needed; `paper` uses the seed's target shape without its weights.
@@ -149,17 +153,23 @@ def main():
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--presets", default="smoke,demo")
-    parser.add_argument("--config", default="configs/baseline.py", help="experiment config file")
+    parser.add_argument("--config", default="configs/baseline.py", help="config files, comma-separated")
     parser.add_argument("--overrides", default="", help="section.key=value,... for every preset")
     parser.add_argument("--shape_only", action="store_true", help="target shape from target.arch (no GGUF)")
     args = parser.parse_args()
-    config_module = load_config_module(args.config)
+    config_paths = args.config.split(",")
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}")
-    print(f"{'preset':8s} {'step s':>10s} {'tokens/s':>12s} {'samples/s':>10s}")
+    header = ("step s", "tokens/s", "samples/s", "vs first")
+    print(f"{'preset':8s} {'experiment':12s} " + " ".join(f"{h:>10s}" for h in header))
     for preset in args.presets.split(","):
-        r = time_step(config_module, preset, args.steps, args.overrides, args.shape_only)
-        step_s, tok_s, smp_s = r["step_seconds"], r["tokens_per_second"], r["samples_per_second"]
-        print(f"{preset:8s} {step_s:10.3f} {tok_s:12.0f} {smp_s:10.2f}")
+        first = None
+        for path in config_paths:
+            config_module = load_config_module(path)
+            r = time_step(config_module, preset, args.steps, args.overrides, args.shape_only)
+            step_s, tok_s, smp_s = r["step_seconds"], r["tokens_per_second"], r["samples_per_second"]
+            first = first or step_s
+            name = config_module.get_config(preset).experiment
+            print(f"{preset:8s} {name:12s} {step_s:10.3f} {tok_s:10.0f} {smp_s:10.2f} {step_s / first:9.2f}x")
     att = attention_comparison()
     x, ref = att["xla"], att["reference"]
     print("block attention fwd+bwd, B=1 N=128 S=7 T=1024 Q=8 G=2 D=64:")

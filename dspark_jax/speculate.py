@@ -2,7 +2,7 @@
 
   python -m dspark_jax.speculate --checkpoint=DIR [--config=configs/baseline.py[:preset]] \
       [--input=IN.jsonl] [--output=OUT.json] [--temperature=T] [--top_p=P] [--concurrency=C] \
-      [--max_new_tokens=N] [--limit=N] [--seed=S] [--select_top_k=K] [--offline]
+      [--max_new_tokens=N] [--limit=N] [--seed=S] [--select_top_k=K] [--memory_source=SRC] [--offline]
 
 `--checkpoint` takes a training work directory (its latest checkpoint) or one checkpoint's
 directory; the run's stored config is used unless `--config` is given (it must agree with the
@@ -11,7 +11,9 @@ stored one on every key that shapes the draft). Sampling and the reply cap defau
 decoded by the target alone (same sampling, concurrency and max length) for the speedup,
 and at temperature 0 the two outputs are compared token for token. `--offline` adds the
 teacher-forced metrics (tau_prob, accept_rate_i) of the same checkpoint on the validation
-cache, which holds the target's replies to the GSM8K-256 prompts.
+cache, which holds the target's replies to the GSM8K-256 prompts. `--memory_source` (Draft Memory
+checkpoints) picks where the next round's memory comes from: 'with_memory' (this round's states) or
+'no_memory' (one extra memory-free draft pass per round, as in training).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dspark_jax.cli import (
     run,
 )
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
+from dspark_jax.draft.memory import MEMORY_SOURCES
 from dspark_jax.inference.timing import time_cycle_phases
 from dspark_jax.target import target_from_config
 from dspark_jax.target.generate import generate_replies
@@ -45,6 +48,12 @@ _CONCURRENCY = flags.DEFINE_integer("concurrency", 1, "Requests decoded together
 _LIMIT = flags.DEFINE_integer("limit", 0, "Use only the first N conversations (0 = all).")
 _SAMPLING = SamplingFlags()
 _OFFLINE = flags.DEFINE_bool("offline", False, "Also report offline tau_prob on the validation cache.")
+_MEMORY_SOURCE = flags.DEFINE_enum(
+    "memory_source",
+    None,
+    list(MEMORY_SOURCES),
+    "Draft Memory: the next round's memory source; default: config.draft.memory_source.",
+)
 _SELECT_TOP_K = flags.DEFINE_integer(
     "select_top_k",
     None,
@@ -65,6 +74,15 @@ def main(argv):
         ),
     )
     config = checkpoint_config(_CONFIG, _CHECKPOINT.value)
+    if _MEMORY_SOURCE.value is not None:
+        check_flags(
+            memory_source=(
+                "memory_source" in config.draft,
+                f"applies to Draft Memory checkpoints; this one is experiment {config.experiment!r}",
+            )
+        )
+        with config.unlocked():
+            config.draft.memory_source = _MEMORY_SOURCE.value
     sampling, seed, max_new = _SAMPLING.resolve(config)
     mesh = sharding.make_mesh(config.mesh.to_dict())
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
@@ -95,6 +113,7 @@ def main(argv):
             "max_new_tokens": max_new,
             "proposals_per_cycle": decoder.block_size,
             "select_top_k": decoder.select_top_k,
+            "memory_source": config.draft.get("memory_source"),
             "conversations": len(conversations),
             "input": _INPUT.value,
         },

@@ -8,7 +8,9 @@ from flax import nnx
 from scipy import stats
 
 from dspark_jax import sharding
+from dspark_jax.draft.memory import MEMORY_SOURCES, MemoryDraft, MemoryDraftConfig
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
+from dspark_jax.experiments.memory import MEMORY_PROPOSER
 from dspark_jax.inference import engine
 from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.target.config import TargetConfig
@@ -56,7 +58,12 @@ def parts(mesh1):
     return target, draft, frozen
 
 
-def _decoder(parts, mesh, batch_size, draft=None):
+def _memory_draft(mesh, source):
+    cfg = MemoryDraftConfig(**{**DRAFT.__dict__, "memory_source": source})
+    return _scaled(MemoryDraft(cfg, rngs=nnx.Rngs(1)), mesh, 4.0)
+
+
+def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSER):
     target, default_draft, frozen = parts
     graphdef, params, rest = nnx.split(draft or default_draft, nnx.Param, ...)
     return SpeculativeDecoder(
@@ -65,6 +72,7 @@ def _decoder(parts, mesh, batch_size, draft=None):
         params,
         rest,
         frozen,
+        proposer=proposer,
         aux_layer_ids=AUX,
         eos_ids=[EOS],
         pad_id=0,
@@ -82,6 +90,48 @@ def test_greedy_speculation_equals_target_greedy(parts, mesh1, batch_size):
     assert decoder.generate(PROMPTS, max_new_tokens=20) == expected
     report = decoder.report.as_dict()
     assert report["cycles"] > 0 and 1.0 <= report["mal_pooled"] <= 8.0
+
+
+@pytest.mark.parametrize("source", MEMORY_SOURCES)
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_speculation_with_draft_memory_equals_target_greedy(parts, mesh1, source, batch_size):
+    prompts = PROMPTS * 2
+    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=8, mesh=mesh1).generate(
+        prompts, max_new_tokens=20
+    )
+    decoder = _decoder(parts, mesh1, batch_size, _memory_draft(mesh1, source), MEMORY_PROPOSER)
+    assert decoder.generate(prompts, max_new_tokens=20) == expected
+    assert decoder.report.as_dict()["cycles"] > len(prompts)  # later rounds read memory
+
+
+def test_draft_memory_reaches_the_next_round(parts, mesh1):
+    """After a round, the carry holds that round's states; the next draft pass reads them: its states
+    differ from a memory-free pass, and the two sources differ from each other."""
+    target, _, frozen = parts
+    outs = {}
+    for source in MEMORY_SOURCES:
+        draft = _memory_draft(mesh1, source)
+        settings = engine.SpecSettings(8, SamplingParams(), (EOS,), AUX)
+        state = engine.prefill(
+            target,
+            draft,
+            jnp.asarray([PROMPTS[2]]),
+            jnp.asarray([len(PROMPTS[2])]),
+            jnp.asarray([True]),
+            max_len=64,
+            settings=settings,
+            rng=jax.random.key(0),
+            proposer=MEMORY_PROPOSER,
+        )
+        first = MEMORY_PROPOSER.draft_pass(draft, frozen, state)
+        np.testing.assert_allclose(first["h"], engine.draft_hidden(draft, frozen, state), rtol=1e-6)
+        state = engine.cycle(target, draft, frozen, state, settings, MEMORY_PROPOSER)
+        assert bool(state.carry.present_B[0]) and int(state.carry.matches_B[0]) < 7
+        second = MEMORY_PROPOSER.draft_pass(draft, frozen, state)
+        assert not np.allclose(second["h"], engine.draft_hidden(draft, frozen, state), atol=1e-4)
+        outs[source] = second
+    np.testing.assert_allclose(outs["no_memory"]["h"], outs["with_memory"]["h"], rtol=1e-6)
+    assert not np.allclose(outs["no_memory"]["source"], outs["with_memory"]["source"], atol=1e-4)
 
 
 def test_statistics_count_real_rows_only_whatever_the_concurrency(parts, mesh1):
@@ -173,28 +223,42 @@ def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
             np.testing.assert_allclose(np.asarray(got_v[0, :end]), np.asarray(v[0]), atol=1e-5)
 
 
-def test_sampling_is_lossless(parts, mesh1):
-    """The second generated token (the first one a cycle decides) follows the target's distribution."""
-    target = parts[0]
-    prompt = [5, 9, 11, 7]
-    params = SamplingParams(temperature=1.0)
-    rows = 512
-    decoder = _decoder(parts, mesh1, rows)
-    outs = decoder.generate([prompt] * rows, max_new_tokens=2, params=params, seed=3)
-    forward = jax.jit(lambda ids: jax.nn.softmax(target.logits(target(ids).hidden_BxTxH[:, -1])))
-    p1 = np.asarray(forward(jnp.asarray([prompt])))[0].astype(np.float64)
-    p2 = np.asarray(forward(jnp.asarray([[*prompt, t] for t in range(V)]))).astype(np.float64)
-    joint_second = (p1[:, None] * p2).sum(0)  # P(x2) marginalised over x1
-    seconds = [o[1] for o in outs if len(o) > 1 and o[0] != EOS]
-    expected = joint_second.copy()
-    expected[EOS] = 0.0  # a row whose first token is EOS emits no second token
-    expected = expected / expected.sum() * len(seconds)
+def _chi_square_pvalue(tokens, probs_V):
+    expected = probs_V / probs_V.sum() * len(tokens)
     big = expected > 5
-    observed = np.bincount(seconds, minlength=V)
+    observed = np.bincount(tokens, minlength=V)
     chi = stats.chisquare(
         np.r_[observed[big], observed[~big].sum()], np.r_[expected[big], expected[~big].sum()]
     )
-    assert chi.pvalue > 1e-3, chi
+    return chi.pvalue
+
+
+@pytest.mark.parametrize("group", ["baseline", "memory"])
+def test_sampling_is_lossless(parts, mesh1, group):
+    """The second and third generated tokens follow the target's distributions (the third one's cycle
+    reads, with Draft Memory, the memory of the cycle that decided the second)."""
+    target = parts[0]
+    prompt = [5, 9, 11, 7]
+    params = SamplingParams(temperature=1.0)
+    rows = 1024
+    if group == "memory":
+        decoder = _decoder(parts, mesh1, rows, _memory_draft(mesh1, "with_memory"), MEMORY_PROPOSER)
+    else:
+        decoder = _decoder(parts, mesh1, rows)
+    outs = decoder.generate([prompt] * rows, max_new_tokens=3, params=params, seed=3)
+    forward = jax.jit(lambda ids: jax.nn.softmax(target.logits(target(ids).hidden_BxTxH[:, -1])))
+    p1_V = np.asarray(forward(jnp.asarray([prompt])))[0].astype(np.float64)
+    p2_VxV = np.asarray(forward(jnp.asarray([[*prompt, t] for t in range(V)]))).astype(np.float64)
+    pairs = [[*prompt, t1, t2] for t1 in range(V) for t2 in range(V)]
+    p3_VxVxV = np.asarray(forward(jnp.asarray(pairs))).astype(np.float64).reshape(V, V, V)
+    alive_V = np.arange(V) != EOS  # a row stops at EOS and emits nothing after it
+    p12_VxV = p1_V[:, None] * p2_VxV * alive_V[:, None]
+    second_V = p12_VxV.sum(0) * alive_V
+    third_V = np.einsum("ab,abc->c", p12_VxV * alive_V[None, :], p3_VxVxV) * alive_V
+    seconds = [o[1] for o in outs if len(o) > 1]
+    thirds = [o[2] for o in outs if len(o) > 2]
+    assert _chi_square_pvalue(seconds, second_V) > 1e-3
+    assert _chi_square_pvalue(thirds, third_V) > 1e-3
 
 
 def test_bad_inputs(parts, mesh1):

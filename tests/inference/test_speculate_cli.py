@@ -56,3 +56,52 @@ def test_speculate_cli_reports_mal_and_matches_target_greedy(tmp_path):
     mismatch = [*evaluate, f"--config={ROOT}/configs/baseline.py:smoke", "--config.draft.markov_rank=16"]
     proc = subprocess.run(mismatch, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "draft.markov_rank" in proc.stderr, proc.stderr[-2000:]
+    # --memory_source is for Draft Memory checkpoints only.
+    proc = subprocess.run([*cmd, "--memory_source=no_memory"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--memory_source applies to Draft Memory" in proc.stderr, proc.stderr[
+        -2000:
+    ]
+
+
+@pytest.mark.slow
+def test_draft_memory_main_job_smoke_and_speculation_with_both_sources(tmp_path):
+    """`train --config=configs/memory.py:smoke` from the command line, then greedy speculation with
+    either memory source equals target-only greedy; the checkpoint under the baseline config is refused."""
+    work = tmp_path / "work"
+    train_cmd = [
+        sys.executable,
+        "-m",
+        "dspark_jax.train",
+        f"--config={ROOT}/configs/memory.py:smoke",
+        f"--workdir={work}",
+        f"--config.data.cache_dir={tmp_path / 'caches'}",
+        "--config.train.stop_step=2",
+        "--json",
+    ]
+    proc = subprocess.run(train_cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout[proc.stdout.index("{") :])
+    for name in ("stage1_mean_matches", "memory_block_fraction", "memory_mean_length", "transition_kept"):
+        assert f"train/{name}" in metrics and f"eval/{name}" in metrics, name
+    for source in ("with_memory", "no_memory"):
+        out = tmp_path / f"{source}.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "dspark_jax.speculate",
+            f"--checkpoint={work}",
+            f"--output={out}",
+            "--limit=3",
+            "--max_new_tokens=8",
+            f"--memory_source={source}",
+        ]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        result = json.loads(out.read_text())
+        assert result["identical_to_target_greedy"] == "3/3"
+        assert result["settings"]["memory_source"] == source
+    baseline_config = [*cmd[:4], f"--config={ROOT}/configs/baseline.py:smoke"]
+    proc = subprocess.run(baseline_config, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "on experiment: given 'baseline', stored 'memory'" in proc.stderr, (
+        proc.stderr[-2000:]
+    )

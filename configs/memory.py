@@ -9,7 +9,8 @@ Same presets, caches and loss as configs/baseline.py (the demo reuses the baseli
 draft gains the memory adapter (`P`, `gamma`; 6,556,160 parameters at paper shapes). Extra key:
   draft.memory_source   inference only: 'with_memory' (the round's own memory-conditioned states feed the
                         next round, as inference naturally runs) or 'no_memory' (one extra memory-free
-                        draft pass per round, the source training's stage 1 uses); also
+                        draft pass per round, the source training's stage 1 uses) or 'disabled' (no
+                        memory: an ablation of the same weights); also
                         `python -m dspark_jax.speculate --memory_source=...`.
 """
 

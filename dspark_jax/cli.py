@@ -22,7 +22,7 @@ from dspark_jax.target.generate import SamplingParams
 from dspark_jax.train.components import run_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = f"{REPO_ROOT / 'configs' / 'baseline.py'}:demo"
+DEFAULT_CONFIG = f"{REPO_ROOT / 'configs' / 'memory.py'}:demo"  # the main job
 
 
 def define_config_flag(default: str | None = DEFAULT_CONFIG):

@@ -13,7 +13,7 @@ and at temperature 0 the two outputs are compared token for token. `--offline` a
 teacher-forced metrics (tau_prob, accept_rate_i) of the same checkpoint on the validation
 cache, which holds the target's replies to the GSM8K-256 prompts. `--memory_source` (Draft Memory
 checkpoints) picks where the next round's memory comes from: 'with_memory' (this round's states) or
-'no_memory' (one extra memory-free draft pass per round, as in training).
+'no_memory' (one extra memory-free draft pass per round, as in training), or 'disabled' (no memory).
 """
 
 from __future__ import annotations

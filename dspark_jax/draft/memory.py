@@ -29,7 +29,7 @@ from dspark_jax.draft import blocks, objective
 from dspark_jax.draft.model import DraftConfig, DraftMemory, DSparkDraft, FrozenTarget
 from dspark_jax.nn import Dtype, Linear, RMSNorm
 
-MEMORY_SOURCES = ("with_memory", "no_memory")
+MEMORY_SOURCES = ("with_memory", "no_memory", "disabled")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,8 @@ class MemoryDraftConfig(DraftConfig):
     Attributes:
       memory_source: 'with_memory' = the states of the round's own (memory-conditioned) draft pass, as
         inference naturally runs; 'no_memory' = one extra memory-free draft pass per round, the source
-        training uses (its stage 1). Inference only: no parameter depends on it.
+        training uses (its stage 1); 'disabled' = no memory at all (an ablation: the same weights drafting
+        like the baseline). Inference only: no parameter depends on it.
     """
 
     memory_source: str = "with_memory"

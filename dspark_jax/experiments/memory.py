@@ -9,7 +9,7 @@ Training, one jitted function per micro-batch (index math: `dspark_jax.draft.mem
 
 Inference keeps each request's last-round final states and feeds the suffix past the first rejection
 to the next round (`MEMORY_PROPOSER`); `memory_source` picks the memory-conditioned states of the
-round itself or one extra memory-free pass (what training sees).
+round itself or one extra memory-free pass (what training sees); 'disabled' drafts without memory.
 """
 
 from __future__ import annotations
@@ -116,9 +116,10 @@ def _draft_pass(draft: memory_lib.MemoryDraft, frozen: FrozenTarget, state: engi
     memory = draft.memory(
         carry.h_BxSxH[:, None], carry.anchor_B[:, None], carry.matches_B[:, None], carry.present_B[:, None]
     )
-    h_BxSxH = engine.draft_hidden(draft, frozen, state, memory)
+    source = draft.cfg.memory_source
+    h_BxSxH = engine.draft_hidden(draft, frozen, state, None if source == "disabled" else memory)
     source_BxSxH = h_BxSxH
-    if draft.cfg.memory_source == "no_memory":
+    if source == "no_memory":
         source_BxSxH = engine.draft_hidden(draft, frozen, state)
     return {"h": h_BxSxH, "source": source_BxSxH, "anchor": state.target_cache.end_B}
 

@@ -1,6 +1,6 @@
 """Train a DSpark draft.
 
-  python -m dspark_jax.train --config=configs/baseline.py[:demo|:paper|:smoke] [--workdir=DIR] \
+  python -m dspark_jax.train [--config=configs/memory.py[:demo|:paper|:smoke]] [--workdir=DIR] \
       [--config.train.stop_step=N] [--config.key=value ...]
 
 Prints progress, one line per evaluation, warnings and a closing summary (where the checkpoint,

@@ -109,7 +109,7 @@ def test_draft_memory_reaches_the_next_round(parts, mesh1):
     differ from a memory-free pass, and the two sources differ from each other."""
     target, _, frozen = parts
     outs = {}
-    for source in MEMORY_SOURCES:
+    for source in ("with_memory", "no_memory"):
         draft = _memory_draft(mesh1, source)
         settings = engine.SpecSettings(8, SamplingParams(), (EOS,), AUX)
         state = engine.prefill(

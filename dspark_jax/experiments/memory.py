@@ -93,34 +93,35 @@ def memory_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 class MemoryCarry(NamedTuple):
-    """Per request: the last round's final states `[B, S, H]`, its anchor, its accepted count, and
-    whether there was a last round."""
+    """Per request: the last round's final states `[B, S, H]`, its anchor and its accepted count (`S`
+    before the first round: all accepted keeps no memory)."""
 
     h_BxSxH: jax.Array
     anchor_B: jax.Array
     matches_B: jax.Array
-    present_B: jax.Array
 
 
 def _init_carry(draft: memory_lib.MemoryDraft, rows: int) -> MemoryCarry:
     cfg = draft.cfg
-    zeros_B = jnp.zeros((rows,), jnp.int32)
     h = jnp.zeros((rows, cfg.block_size, cfg.hidden_size), draft.dtype)
-    return MemoryCarry(h, zeros_B, zeros_B, jnp.zeros((rows,), bool))
+    return MemoryCarry(h, jnp.zeros((rows,), jnp.int32), jnp.full((rows,), cfg.block_size, jnp.int32))
 
 
 def _draft_pass(draft: memory_lib.MemoryDraft, frozen: FrozenTarget, state: engine.SpecState) -> dict:
     """This round's states with the last round's memory, and the states the next round's memory comes
     from (the same ones, or one memory-free pass with `memory_source='no_memory'`)."""
-    carry: MemoryCarry = state.carry
-    memory = draft.memory(
-        carry.h_BxSxH[:, None], carry.anchor_B[:, None], carry.matches_B[:, None], carry.present_B[:, None]
-    )
     source = draft.cfg.memory_source
-    h_BxSxH = engine.draft_hidden(draft, frozen, state, None if source == "disabled" else memory)
-    source_BxSxH = h_BxSxH
-    if source == "no_memory":
-        source_BxSxH = engine.draft_hidden(draft, frozen, state)
+    if source == "disabled":
+        h_BxSxH = engine.draft_hidden(draft, frozen, state)
+        return {"h": h_BxSxH, "source": h_BxSxH, "anchor": state.target_cache.end_B}
+    carry: MemoryCarry = state.carry
+    to_blocks = lambda x_B: x_B[:, None]  # one block per row
+    memory = draft.memory(
+        *map(to_blocks, (carry.h_BxSxH, carry.anchor_B, carry.matches_B)),
+        jnp.ones_like(carry.matches_B)[:, None],
+    )
+    h_BxSxH = engine.draft_hidden(draft, frozen, state, memory)
+    source_BxSxH = engine.draft_hidden(draft, frozen, state) if source == "no_memory" else h_BxSxH
     return {"h": h_BxSxH, "source": source_BxSxH, "anchor": state.target_cache.end_B}
 
 
@@ -130,8 +131,7 @@ def _select(draft, frozen, draft_out, state, rng, settings) -> engine.Proposals:
 
 def _next_carry(draft, carry: MemoryCarry, draft_out, num_accepted_B, active_B) -> MemoryCarry:
     """The next round's memory source: this round's states, anchor and accepted count (active rows)."""
-    present_B = jnp.ones_like(carry.present_B)
-    new = MemoryCarry(draft_out["source"], draft_out["anchor"], num_accepted_B, present_B)
+    new = MemoryCarry(draft_out["source"], draft_out["anchor"], num_accepted_B)
     return jax.tree.map(lambda n, o: jnp.where(active_B.reshape(-1, *[1] * (n.ndim - 1)), n, o), new, carry)
 
 

@@ -6,6 +6,8 @@ unchanged, with both attention implementations), and the objective's sums of a p
 sums of its samples computed apart, each in its own row.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,19 +18,10 @@ from dspark_jax.data import pipeline
 from dspark_jax.draft import blocks
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
 from dspark_jax.experiments.baseline import draft_sums
+from tests.draft import test_reference
 
 H, V, A, T, N = 32, 50, 3, 64, 12
-CFG = DraftConfig(
-    hidden_size=H,
-    vocab_size=V,
-    num_aux=A,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    markov_rank=8,
-    anchor_chunk=4,
-)
+CFG = dataclasses.replace(test_reference.CFG, vocab_size=V, anchor_chunk=4)
 
 
 def _record(rng, length, prompt):

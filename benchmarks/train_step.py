@@ -35,6 +35,7 @@ from dspark_jax import experiments, sharding
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.data.pipeline import to_global
 from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.engram import prepare as engram_prepare
 from dspark_jax.kernels.block_attention import block_attention
 from dspark_jax.target import TargetConfig
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
@@ -81,6 +82,9 @@ def time_step(
             * jax.random.normal(key[0], (target.vocab_size, target.hidden_size), config.target.param_dtype),
             0.02
             * jax.random.normal(key[1], (target.hidden_size, target.vocab_size), config.target.param_dtype),
+            engram_prepare.synthetic_table(config, target.vocab_size)
+            if engram_prepare.uses_engram(config)
+            else None,
         ),
         replicated,
     )
@@ -160,7 +164,7 @@ def main():
     config_paths = args.config.split(",")
     print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}")
     header = ("step s", "tokens/s", "samples/s", "vs first")
-    print(f"{'preset':8s} {'experiment':12s} " + " ".join(f"{h:>10s}" for h in header))
+    print(f"{'preset':8s} {'experiment':20s} " + " ".join(f"{h:>10s}" for h in header))
     for preset in args.presets.split(","):
         first = None
         for path in config_paths:
@@ -169,7 +173,7 @@ def main():
             step_s, tok_s, smp_s = r["step_seconds"], r["tokens_per_second"], r["samples_per_second"]
             first = first or step_s
             name = config_module.get_config(preset).experiment
-            print(f"{preset:8s} {name:12s} {step_s:10.3f} {tok_s:10.0f} {smp_s:10.2f} {step_s / first:9.2f}x")
+            print(f"{preset:8s} {name:20s} {step_s:10.3f} {tok_s:10.0f} {smp_s:10.2f} {step_s / first:9.2f}x")
     att = attention_comparison()
     x, ref = att["xla"], att["reference"]
     print("block attention fwd+bwd, B=1 N=128 S=7 T=1024 Q=8 G=2 D=64:")

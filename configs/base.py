@@ -220,3 +220,32 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.train.eval_batches = {"paper": 0, "demo": 0, "accel": 0, "smoke": 2}[preset]
     c.lock()
     return c
+
+
+def with_engram(config: config_dict.ConfigDict, experiment: str) -> config_dict.ConfigDict:
+    """`config` as one of the Engram groups: the `engram` table section (keys in
+    `dspark_jax/engram/prepare.py`) and the draft's view of the table's shape.
+
+    Paper: orders 2-3 x 8 heads x 160 = 2,560 features; demo and accel: x 36 = 576; smoke: x 4 = 64. The fit
+    reads ShareGPT conversations past the ones training uses (the paper preset names no fit source: give
+    `engram.table_path` or `engram.fit_source`).
+    """
+    preset = config.preset
+    with config.unlocked():
+        config.experiment = experiment
+        e = config.engram = config_dict.ConfigDict()
+        e.table_path = ""
+        e.max_order = 3
+        e.heads = 8
+        e.head_dim = {"paper": 160, "demo": 36, "accel": 36, "smoke": 4}[preset]
+        e.seed = 0
+        e.layer_id = 0
+        e.table_multiplier = 5
+        e.fit_source = "" if preset == "paper" else "sharegpt"
+        e.fit_offset = config.data.train_limit
+        e.fit_limit = {"paper": 0, "demo": 600, "accel": 4000, "smoke": 4}[preset]
+        e.fit_max_length = {"paper": 4096, "demo": 256, "accel": 1024, "smoke": 64}[preset]
+        e.projection_seed = 0
+        config.draft.engram_dim = (e.max_order - 1) * e.heads * e.head_dim
+        config.draft.engram_order = e.max_order
+    return config

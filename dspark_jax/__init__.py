@@ -20,6 +20,10 @@ same letters. Every name in the package, its tests and benchmarks follows this o
   R  Markov rank
   F  rotary frequencies (D/2)
   L  layers
+  K  candidates per slot (top-K)
+  U  Engram feature width (Z * W)
+  Z  Engram hash heads (orders x heads per order)
+  W  Engram row width of one hash head
 
   attention:
   Q  query heads

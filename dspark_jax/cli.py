@@ -45,6 +45,8 @@ PATH_KEYS = (
     ("data", "train_source"),
     ("data", "val_source"),
     ("target", "path"),
+    ("engram", "table_path"),
+    ("engram", "fit_source"),
 )
 NAMED_SOURCES = ("sharegpt",)  # conversation sources that are names, not paths
 
@@ -54,7 +56,7 @@ def with_absolute_paths(config):
     if config is None:
         return None
     for section, key in PATH_KEYS:
-        if config[section][key] not in NAMED_SOURCES:
+        if section in config and config[section][key] not in NAMED_SOURCES:
             config[section][key] = resolve_path(config[section][key])
     return config
 

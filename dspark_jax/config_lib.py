@@ -33,6 +33,9 @@ SHAPE_KEYS = (
     "draft.block_size",
     "draft.markov_rank",
     "draft.mask_token_id",
+    "draft.engram_dim",
+    "draft.engram_order",
+    "engram",
     "data.aux_layer_ids",
     "target.path",
     "target.random_init",
@@ -106,6 +109,10 @@ def validate(config) -> None:
         )
     if config.draft.attention not in ("xla", "reference"):
         raise UsageError(f"draft.attention={config.draft.attention!r} must be 'xla' or 'reference'")
+    if "engram" in config:
+        from dspark_jax.engram import prepare
+
+        prepare.check_config(config)
     if config.draft.block_size != 7:
         log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
 

@@ -122,10 +122,12 @@ class DraftMemory(NamedTuple):
 
 
 class FrozenTarget(NamedTuple):
-    """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft."""
+    """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft, plus the frozen
+    Engram table of the Engram groups (`dspark_jax.engram.EngramTable`; None for the others)."""
 
     embedding_VxH: jax.Array
     lm_head_HxV: jax.Array
+    engram: Any = None
 
 
 class DraftLayer(DecoderBlock):
@@ -267,8 +269,11 @@ class DSparkDraft(nnx.Module):
             return frozen.embedding_VxH[self.cfg.mask_token_id]
         return self.mask_embedding.get_value()
 
-    def block_inputs(self, frozen: FrozenTarget, anchor_tokens_BxN: jax.Array) -> jax.Array:
-        """Baseline block inputs `[E(x[a]), E(MASK) x (S-1)]`, `[B, N, S, H]`."""
+    def block_inputs(
+        self, frozen: FrozenTarget, anchor_tokens_BxN: jax.Array, engram_BxNxU: jax.Array | None = None
+    ) -> jax.Array:
+        """Baseline block inputs `[E(x[a]), E(MASK) x (S-1)]`, `[B, N, S, H]`. `engram_BxNxU` (the
+        pre-anchor Engram features) is for the Engram-MASK drafts; the baseline reads none."""
         anchor_BxNxH = jnp.take(frozen.embedding_VxH, anchor_tokens_BxN, axis=0)
         b, n = anchor_tokens_BxN.shape
         mask_BxNxSxH = jnp.broadcast_to(
@@ -302,19 +307,28 @@ class DSparkDraft(nnx.Module):
             preferred_element_type=jnp.float32,
         )
 
+    def markov_features(
+        self, h_xH: jax.Array, predecessors_x: jax.Array, engram_xU: jax.Array | None = None
+    ) -> jax.Array:
+        """The Markov representation `m = W1[t]` `[..., R]` of each prediction's predecessor `t`.
+        `engram_xU` (the predecessor prefix's Engram features) is for Engram-Markov; unused here."""
+        return self.markov.features(predecessors_x).astype(self.dtype)
+
     def corrected(
         self,
         base_logits_xV: jax.Array,
         h_xH: jax.Array,
         predecessors_x: jax.Array,
         columns_xK: jax.Array | None = None,
+        engram_xU: jax.Array | None = None,
     ) -> dict:
-        """Markov-corrected logits `l = l0 + W2 W1[t]` and confidence logits `w_c . [h; m] + b_c`.
+        """Markov-corrected logits `l = l0 + W2 m` and confidence logits `w_c . [h; m] + b_c`, with
+        `m = markov_features(h, t, engram)`.
 
         With `columns_xK` the base logits are those of the vocabulary ids `columns_xK` (`[..., K]`) and
         so are the corrected ones.
         """
-        m_xR = self.markov.features(predecessors_x).astype(self.dtype)
+        m_xR = self.markov_features(h_xH, predecessors_x, engram_xU)
         confidence = self.confidence(jnp.concatenate([h_xH.astype(self.dtype), m_xR], axis=-1))
         return {
             "logits": base_logits_xV + self.markov.bias(m_xR, columns_xK),
@@ -322,7 +336,13 @@ class DSparkDraft(nnx.Module):
         }
 
     def heads(
-        self, frozen: FrozenTarget, h_xSxH: jax.Array, predecessors_xS: jax.Array
+        self,
+        frozen: FrozenTarget,
+        h_xSxH: jax.Array,
+        predecessors_xS: jax.Array,
+        engram_xSxU: jax.Array | None = None,
     ) -> dict[str, jax.Array]:
-        """Corrected logits (float32 `[..., S, V]`) and confidence logits for teacher-forced predecessors."""
-        return self.corrected(self.base_logits(frozen, h_xSxH), h_xSxH, predecessors_xS)
+        """Corrected logits (float32 `[..., S, V]`) and confidence logits for teacher-forced predecessors
+        (and their Engram features, for Engram-Markov)."""
+        base_xSxV = self.base_logits(frozen, h_xSxH)
+        return self.corrected(base_xSxV, h_xSxH, predecessors_xS, engram_xU=engram_xSxU)

@@ -16,9 +16,11 @@ def block_states(
     anchors_BxN: jax.Array,
     block_keep_BxN: jax.Array,
     memory: DraftMemory | None = None,
+    engram_BxNxU: jax.Array | None = None,
 ) -> tuple[blocks.BlockTargets, jax.Array]:
     """Block targets (derived on device) and final draft states `h [B, N, S, H]` of the blocks at
-    `anchors_BxN` (kept where `block_keep_BxN`); `memory` adds per-block key/value sources."""
+    `anchors_BxN` (kept where `block_keep_BxN`); `memory` adds per-block key/value sources,
+    `engram_BxNxU` the pre-anchor Engram features of the Engram-MASK block inputs."""
     positions_BxT = batch["positions"]
     targets = blocks.block_targets(
         batch["input_ids"],
@@ -30,7 +32,7 @@ def block_states(
     )
     ctx_BxTxH = model.context(batch["aux_hidden"].astype(model.dtype))
     h_BxNxSxH = model.backbone(
-        model.block_inputs(frozen, targets.predecessors[..., 0]),
+        model.block_inputs(frozen, targets.predecessors[..., 0], engram_BxNxU),
         model.context_kv(ctx_BxTxH, positions_BxT),
         anchors_BxN,
         memory,
@@ -46,12 +48,17 @@ def objective_sums(
     anchors_BxN: jax.Array,
     targets: blocks.BlockTargets,
     h_BxNxSxH: jax.Array,
+    engram_BxNxSxU: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
-    """Objective and metric sums of the blocks at `anchors_BxN` from their `block_states`."""
+    """Objective and metric sums of the blocks at `anchors_BxN` from their `block_states`;
+    `engram_BxNxSxU` are the predecessors' Engram features of Engram-Markov."""
     cfg = model.cfg
+    inputs = {"h": h_BxNxSxH, "predecessors": targets.predecessors}
+    if engram_BxNxSxU is not None:
+        inputs["engram"] = engram_BxNxSxU
     return objective.block_objective_sums(
-        lambda chunk: model.heads(frozen, chunk["h"], chunk["predecessors"]),
-        {"h": h_BxNxSxH, "predecessors": targets.predecessors},
+        lambda chunk: model.heads(frozen, chunk["h"], chunk["predecessors"], chunk.get("engram")),
+        inputs,
         blocks.teacher_hidden(batch["last_hidden"], anchors_BxN, cfg.block_size),
         frozen.lm_head_HxV,
         targets.labels,

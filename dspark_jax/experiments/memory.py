@@ -101,8 +101,8 @@ class MemoryCarry(NamedTuple):
     matches_B: jax.Array
 
 
-def _init_carry(draft: memory_lib.MemoryDraft, rows: int) -> MemoryCarry:
-    cfg = draft.cfg
+def _init_carry(draft: memory_lib.MemoryDraft, tokens_BxP, lengths_B) -> MemoryCarry:
+    cfg, rows = draft.cfg, tokens_BxP.shape[0]
     h = jnp.zeros((rows, cfg.block_size, cfg.hidden_size), draft.dtype)
     return MemoryCarry(h, jnp.zeros((rows,), jnp.int32), jnp.full((rows,), cfg.block_size, jnp.int32))
 
@@ -129,10 +129,10 @@ def _select(draft, frozen, draft_out, state, rng, settings) -> engine.Proposals:
     return engine.markov_select(draft, frozen, draft_out["h"], state, rng, settings)
 
 
-def _next_carry(draft, carry: MemoryCarry, draft_out, num_accepted_B, active_B) -> MemoryCarry:
+def _next_carry(draft, state: engine.SpecState, draft_out, proposals, num_accepted_B) -> MemoryCarry:
     """The next round's memory source: this round's states, anchor and accepted count (active rows)."""
     new = MemoryCarry(draft_out["source"], draft_out["anchor"], num_accepted_B)
-    return jax.tree.map(lambda n, o: jnp.where(active_B.reshape(-1, *[1] * (n.ndim - 1)), n, o), new, carry)
+    return engine.where_active(state, new)
 
 
 MEMORY_PROPOSER = engine.Proposer(_draft_pass, _select, _init_carry, _next_carry)

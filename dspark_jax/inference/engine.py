@@ -20,7 +20,7 @@ Prompts are right-padded, so cache slots equal positions.
 
 Steps 1-2 belong to the experiment group: a `Proposer` (registered with the group in
 `dspark_jax.experiments`) makes the block and may carry per-request state across cycles
-(Draft Memory's last-round hidden states, a reranker's prefix keys/values, Engram lookups).
+(Draft Memory's last-round hidden states, the Engram groups' recent tokens).
 """
 
 from __future__ import annotations
@@ -79,14 +79,16 @@ class Proposer(NamedTuple):
 
     draft_pass(draft, frozen, state) -> draft output (a pytree; the baseline's final states `h`)
     select(draft, frozen, draft_out, state, rng, settings) -> `Proposals` (`settings`: `SpecSettings`)
-    init_carry(draft, rows) -> per-request state carried across cycles (`()` for none)
-    next_carry(draft, carry, draft_out, num_accepted_B, active_B) -> the carry of the next cycle
+    init_carry(draft, tokens_BxP, lengths_B) -> per-request state carried across cycles (`()` for none),
+      from the right-padded prompts
+    next_carry(draft, state, draft_out, proposals, num_accepted_B) -> the carry of the next cycle (`state`
+      is the cycle's own state: `state.carry` the current carry, `~state.done_B` the rows that cycled)
     """
 
     draft_pass: Callable
     select: Callable
-    init_carry: Callable = lambda draft, rows: ()
-    next_carry: Callable = lambda draft, carry, draft_out, num_accepted_B, active_B: carry
+    init_carry: Callable = lambda draft, tokens_BxP, lengths_B: ()
+    next_carry: Callable = lambda draft, state, draft_out, proposals, num_accepted_B: state.carry
 
 
 def _write_rows(buffer, new, start_B):
@@ -110,19 +112,34 @@ def append_context(draft: DSparkDraft, draft_k, draft_v, aux_BxTxAxH, start_B):
 
 
 def draft_hidden(
-    draft: DSparkDraft, frozen: FrozenTarget, state: SpecState, memory: DraftMemory | None = None
+    draft: DSparkDraft,
+    frozen: FrozenTarget,
+    state: SpecState,
+    memory: DraftMemory | None = None,
+    engram_BxU: jax.Array | None = None,
 ) -> jax.Array:
     """Draft states `h [B, S, H]` of the block anchored at `p` (context `j < p`; `memory` of one block
-    per row, `[B, 1, M, ...]`)."""
-    x_Bx1xSxH = draft.block_inputs(frozen, state.pending_B[:, None])
+    per row, `[B, 1, M, ...]`; `engram_BxU` the pre-anchor Engram features of Engram-MASK)."""
+    engram_Bx1xU = None if engram_BxU is None else engram_BxU[:, None]
+    x_Bx1xSxH = draft.block_inputs(frozen, state.pending_B[:, None], engram_Bx1xU)
     ctx_kvs = list(zip(state.draft_k, state.draft_v))
     return draft.backbone(x_Bx1xSxH, ctx_kvs, state.target_cache.end_B[:, None], memory)[:, 0]
 
 
 def markov_select(
-    draft: DSparkDraft, frozen: FrozenTarget, h_BxSxH, state: SpecState, rng, settings: SpecSettings
+    draft: DSparkDraft,
+    frozen: FrozenTarget,
+    h_BxSxH,
+    state: SpecState,
+    rng,
+    settings: SpecSettings,
+    predecessor_features: Callable[[jax.Array], jax.Array] | None = None,
 ) -> Proposals:
     """Sequential Markov selection: each slot's token from its corrected logits given the previous choice.
+
+    `predecessor_features(token_B)`, called once per slot in order with that slot's predecessor (the
+    anchor, then each choice), returns the features `[B, U]` the Markov head reads with it (Engram-Markov's
+    lookup of the drafted prefix); None = the plain Markov head.
 
     With `settings.select_top_k = K` each slot's candidates are its K best base logits and the Markov
     correction reads only their K columns of `W2` (the full `[R, V]` matrix is otherwise read once per
@@ -140,7 +157,8 @@ def markov_select(
     drafts, logits, confidence = [], [], []
     for i in range(h_BxSxH.shape[1]):
         columns = None if columns_BxSxK is None else columns_BxSxK[:, i]
-        out = draft.corrected(base_BxSxV[:, i], h_BxSxH[:, i], token_B, columns)
+        engram_BxU = None if predecessor_features is None else predecessor_features(token_B)
+        out = draft.corrected(base_BxSxV[:, i], h_BxSxH[:, i], token_B, columns, engram_BxU)
         choice_B = sample(out["logits"], jax.random.fold_in(rng, i), settings.params)
         if columns is None:
             token_B, logits_BxV = choice_B, out["logits"]
@@ -157,6 +175,13 @@ def markov_select(
 
 
 DSPARK_PROPOSER = Proposer(draft_hidden, markov_select)
+
+
+def where_active(state: SpecState, new_carry):
+    """`new_carry` on the rows that cycled in `state`, the old carry on finished rows."""
+    active_B = ~state.done_B
+    pick = lambda n, o: jnp.where(active_B.reshape(-1, *[1] * (n.ndim - 1)), n, o)
+    return jax.tree.map(pick, new_carry, state.carry)
 
 
 def prefill(
@@ -206,7 +231,7 @@ def prefill(
         jnp.isin(first_B, eos) | (settings.max_new_tokens <= 1) | ~real_B,
         rng,
         stats,
-        proposer.init_carry(draft, b),
+        proposer.init_carry(draft, tokens_BxP, lengths_B),
     )
 
 
@@ -225,7 +250,7 @@ def cycle(
     new_state, num_accepted_B = verify_and_accept(
         target, draft, state, proposals, settings, jax.random.fold_in(rng, 1)
     )
-    carry = proposer.next_carry(draft, state.carry, draft_out, num_accepted_B, ~state.done_B)
+    carry = proposer.next_carry(draft, state, draft_out, proposals, num_accepted_B)
     return new_state._replace(carry=carry)
 
 

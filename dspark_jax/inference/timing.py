@@ -71,7 +71,7 @@ def time_cycle_phases(
         new_state, accepted_B = engine.verify_and_accept(
             nnx.merge(tg, ts), draft, state, proposals, settings, rng
         )
-        carry = proposer.next_carry(draft, state.carry, draft_out, accepted_B, ~state.done_B)
+        carry = proposer.next_carry(draft, state, draft_out, proposals, accepted_B)
         return new_state._replace(carry=carry)
 
     ts, (_, dp, dr), frozen = decoder.target_state, decoder.draft, decoder.frozen

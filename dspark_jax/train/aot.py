@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from dspark_jax import config_lib, experiments
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.engram import prepare as engram_prepare
 from dspark_jax.target import TargetConfig
 from dspark_jax.train import components
 from dspark_jax.train import step as step_lib
@@ -49,6 +50,9 @@ def step_memory(config, micro_batch: int) -> dict[str, dict[str, int] | float]:
     frozen = FrozenTarget(
         jax.ShapeDtypeStruct((target.vocab_size, target.hidden_size), frozen_dtype),
         jax.ShapeDtypeStruct((target.hidden_size, target.vocab_size), frozen_dtype),
+        engram_prepare.synthetic_table(config, target.vocab_size, abstract=True)
+        if engram_prepare.uses_engram(config)
+        else None,
     )
     batch = batch_lib.abstract_device_batch(micro_batch, batch_lib.Dims.of(config, target.hidden_size))
     micro_fn = functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=experiment)

@@ -25,6 +25,7 @@ from dspark_jax.cache import CacheDataSource, DeepSpecDataSource, open_cache, re
 from dspark_jax.cache.build import cache_path, prepare_split
 from dspark_jax.data.pipeline import PipelineConfig
 from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.engram import prepare as engram_prepare
 from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.target import Target, TargetConfig, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
@@ -116,12 +117,28 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
         side = side_from_checkpoint(config, mesh)
     given = {"train": config.data.train_cache, "val": config.data.val_cache}
     paths = {split: given[split] or cache_path(config, side.fingerprint, split) for split in given}
+
+    def load_target() -> Target:
+        nonlocal target
+        target = target or target_from_config(config.target, seed=config.seed, mesh=mesh)
+        return target
+
+    if engram_prepare.uses_engram(config):  # the table first: its errors are cheap to find
+        side = with_engram(config, side, load_target)
     for split, path in paths.items():
         if not given[split] and not _cache_complete(path):
             log.info("%s cache %s is missing or incomplete: building it", split, path)
-            target = target or target_from_config(config.target, seed=config.seed, mesh=mesh)
-            prepare_split(config, split, target, mesh)
+            prepare_split(config, split, load_target(), mesh)
     return side, paths
+
+
+def with_engram(config, side: TargetSide, load_target=None) -> TargetSide:
+    """`side` with the config's Engram table on device (`FrozenTarget.engram`), fitted first with
+    `load_target()` when missing."""
+    table = engram_prepare.prepare_table(
+        config, side.fingerprint, side.tokenizer_fingerprint, side.config.vocab_size, load_target
+    )
+    return dataclasses.replace(side, frozen=side.frozen._replace(engram=table.to_device()))
 
 
 def open_source(path: str, config, side: TargetSide) -> CacheDataSource | DeepSpecDataSource:
@@ -267,10 +284,13 @@ def speculative_decoder(
     `select_top_k` defaults to the config's `generate.select_top_k`."""
     if select_top_k is None:
         select_top_k = config.generate.get("select_top_k", 0)  # absent from configs stored before it
+    side = side_from_target(target, mesh)
+    if engram_prepare.uses_engram(config):
+        side = with_engram(config, side)
     return SpeculativeDecoder(
         target.model,
         *draft,
-        side_from_target(target, mesh).frozen,
+        side.frozen,
         proposer=experiments.get(config.experiment).proposer,
         aux_layer_ids=config.data.aux_layer_ids,
         eos_ids=target.eos_ids,

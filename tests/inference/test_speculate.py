@@ -7,9 +7,12 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from dspark_jax import sharding
+from dspark_jax import experiments, sharding
+from dspark_jax.draft.engram import EngramDraftConfig
 from dspark_jax.draft.memory import MEMORY_SOURCES, MemoryDraft, MemoryDraftConfig
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
+from dspark_jax.engram.hashing import HashSpec
+from dspark_jax.engram.table import device_table
 from dspark_jax.experiments.memory import MEMORY_PROPOSER
 from dspark_jax.inference import engine
 from dspark_jax.inference.decoder import SpeculativeDecoder
@@ -63,6 +66,29 @@ def _memory_draft(mesh, source):
     return _scaled(MemoryDraft(cfg, rngs=nnx.Rngs(1)), mesh, 4.0)
 
 
+ENGRAM_GROUPS = ("engram_markov", "engram_mask_gated", "engram_mask_replace")
+
+
+def _engram_parts(parts, mesh, group):
+    """The parts with a random Engram table (identity compression) and the group's draft, its Engram
+    weights made to matter (`W_V` and the gates are zero at initialisation)."""
+    target, _, frozen = parts
+    spec = HashSpec.create(
+        max_order=3, heads=2, head_dim=4, seed=0, layer_id=0, compressed_vocab=V, pad_id=0, table_size=60
+    )
+    rows = np.random.default_rng(0).normal(size=(spec.num_rows, spec.head_dim))
+    cfg = EngramDraftConfig(**DRAFT.__dict__, engram_dim=spec.dim, engram_order=3)
+    draft = experiments.get(group).build_draft(cfg, rngs=nnx.Rngs(1))
+    for name in ("engram_v", "engram_proj"):
+        if hasattr(draft, name):
+            layer = getattr(draft, name)
+            layer.kernel.set_value(jax.random.normal(jax.random.key(2), layer.kernel.get_value().shape))
+    if getattr(draft, "engram_gates", None) is not None:
+        draft.engram_gates.set_value(jnp.full(draft.engram_gates.get_value().shape, 0.8))
+    frozen = frozen._replace(engram=device_table(spec, np.arange(V), rows))
+    return (target, _scaled(draft, mesh, 4.0), frozen)
+
+
 def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSER):
     target, default_draft, frozen = parts
     graphdef, params, rest = nnx.split(draft or default_draft, nnx.Param, ...)
@@ -102,6 +128,19 @@ def test_greedy_speculation_with_draft_memory_equals_target_greedy(parts, mesh1,
     decoder = _decoder(parts, mesh1, batch_size, _memory_draft(mesh1, source), MEMORY_PROPOSER)
     assert decoder.generate(prompts, max_new_tokens=20) == expected
     assert decoder.report.as_dict()["cycles"] > len(prompts)  # later rounds read memory
+
+
+@pytest.mark.parametrize("group", ENGRAM_GROUPS)
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_speculation_with_engram_equals_target_greedy(parts, mesh1, group, batch_size):
+    prompts = PROMPTS * 2
+    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=8, mesh=mesh1).generate(
+        prompts, max_new_tokens=20
+    )
+    engram_parts = _engram_parts(parts, mesh1, group)
+    decoder = _decoder(engram_parts, mesh1, batch_size, proposer=experiments.get(group).proposer)
+    assert decoder.generate(prompts, max_new_tokens=20) == expected
+    assert decoder.report.as_dict()["cycles"] > len(prompts)
 
 
 def test_draft_memory_reaches_the_next_round(parts, mesh1):
@@ -233,7 +272,7 @@ def _chi_square_pvalue(tokens, probs_V):
     return chi.pvalue
 
 
-@pytest.mark.parametrize("group", ["baseline", "memory"])
+@pytest.mark.parametrize("group", ["baseline", "memory", *ENGRAM_GROUPS])
 def test_sampling_is_lossless(parts, mesh1, group):
     """The second and third generated tokens follow the target's distributions (the third one's cycle
     reads, with Draft Memory, the memory of the cycle that decided the second)."""
@@ -243,6 +282,10 @@ def test_sampling_is_lossless(parts, mesh1, group):
     rows = 1024
     if group == "memory":
         decoder = _decoder(parts, mesh1, rows, _memory_draft(mesh1, "with_memory"), MEMORY_PROPOSER)
+    elif group in ENGRAM_GROUPS:
+        decoder = _decoder(
+            _engram_parts(parts, mesh1, group), mesh1, rows, proposer=experiments.get(group).proposer
+        )
     else:
         decoder = _decoder(parts, mesh1, rows)
     outs = decoder.generate([prompt] * rows, max_new_tokens=3, params=params, seed=3)

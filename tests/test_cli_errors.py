@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = f"--config={ROOT}/configs/baseline.py:smoke"
+ENGRAM = f"--config={ROOT}/configs/engram_markov.py:smoke"
 
 
 def run(tmp_path, module, *args):
@@ -46,6 +47,19 @@ def run(tmp_path, module, *args):
         ("evaluate", ["--checkpoint=nowhere"], 1, r"checkpoint path not found: .*/nowhere"),
         ("check_memory", [SMOKE, "--config.draft.num_heads=3"], 2, r"draft.num_heads=3 is not a multiple"),
         ("build_cache", [SMOKE, "--config.data.regen_max_turns=0"], 2, r"data.regen_max_turns=0 must be"),
+        ("train", [ENGRAM, "--config.engram.fit_offset=2"], 2, r"engram.fit_offset=2 overlaps the training"),
+        (
+            "fit_engram",
+            [ENGRAM, "--config.engram.fit_source=", "--config.engram.table_path=none.safetensors"],
+            2,
+            r"Engram table .*/none.safetensors does not exist and cannot be fitted here",
+        ),
+        (
+            "train",
+            [ENGRAM, "--config.engram.table_path=notes.txt"],
+            1,
+            r"notes.txt is corrupt or not a table",
+        ),
     ],
 )
 def test_one_line_error_before_any_work(tmp_path, module, args, status, message):

@@ -215,11 +215,10 @@ def prepare_table(
     return load_table(path, expect)
 
 
-def synthetic_table(config, vocab_size: int, *, abstract: bool = False):
-    """A device table of the config's shape with random rows and identity compression, for timing and
-    memory checks that have no fitted table (`abstract`: `ShapeDtypeStruct`s only, nothing allocated)."""
+def synthetic_spec(config, vocab_size: int) -> HashSpec:
+    """The config's hashing over an identity compression of `vocab_size` ids (no tokenizer needed)."""
     e = config.engram
-    spec = HashSpec.create(
+    return HashSpec.create(
         max_order=e.max_order,
         heads=e.heads,
         head_dim=e.head_dim,
@@ -229,6 +228,12 @@ def synthetic_table(config, vocab_size: int, *, abstract: bool = False):
         pad_id=0,
         table_size=e.table_multiplier * vocab_size,
     )
+
+
+def synthetic_table(config, vocab_size: int, *, abstract: bool = False):
+    """A device table of the config's shape with random rows and identity compression, for timing and
+    memory checks that have no fitted table (`abstract`: `ShapeDtypeStruct`s only, nothing allocated)."""
+    spec = synthetic_spec(config, vocab_size)
 
     def build():
         rows = jax.random.normal(jax.random.key(0), (spec.num_rows, spec.head_dim))

@@ -22,8 +22,8 @@ class BiasedDraft(DSparkDraft):
         super().__init__(cfg, rngs=rngs, **kw)
         self.vocab_bias = nnx.Param(jnp.zeros((cfg.vocab_size,)), axes=("vocab",))
 
-    def corrected(self, base_logits_xV, h_xH, predecessors_x):
-        out = super().corrected(base_logits_xV, h_xH, predecessors_x)
+    def corrected(self, base_logits_xV, h_xH, predecessors_x, *args, **kwargs):
+        out = super().corrected(base_logits_xV, h_xH, predecessors_x, *args, **kwargs)
         return out | {"logits": out["logits"] + self.vocab_bias.get_value()}
 
 

@@ -39,6 +39,22 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.eps, self.scale.get_value())
 
 
+class LayerNorm(nnx.Module):
+    """LayerNorm over the last axis with a learned scale and bias, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, param_dtype: Dtype = jnp.float32):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("norm",))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), axes=("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        y = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        y = y * self.scale.get_value().astype(jnp.float32) + self.bias.get_value().astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
 def apply_rope(x_BxTxQxD: jax.Array, positions_BxT: jax.Array, inv_freq_F: jax.Array) -> jax.Array:
     """Rotary embedding in the Hugging Face (rotate-half) layout, computed in float32.
 

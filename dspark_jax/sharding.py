@@ -40,6 +40,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("aux", None),
     ("rank", None),
     ("engram", None),
+    ("rerank", None),
 )
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]

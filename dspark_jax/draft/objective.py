@@ -110,7 +110,10 @@ def _chunk_sums(
         "conf_cumprod_bias": masked(conf_prefix_BxCxS - accept_prefix_BxCxS, weight_BxCxS),
         "predictions": jnp.sum(mask_BxCxS),
     }
-    extra = {name: jnp.asarray(value, jnp.float32) for name, value in out.get("extra_sums", {}).items()}
+    extra = dict(out.get("extra_sums", {}))
+    if "teacher_sums" in out:
+        extra |= out["teacher_sums"](jax.lax.stop_gradient(p_BxCxSxV), labels_BxCxS, mask_BxCxS)
+    extra = {name: jnp.asarray(value, jnp.float32) for name, value in extra.items()}
     if clash := sorted(set(extra) & set(sums)):
         raise ValueError(f"head_fn extra_sums reuse reserved names {clash}")
     return sums | extra
@@ -132,8 +135,10 @@ def block_objective_sums(
     `head_fn(chunk_inputs)` gets `{k: v[:, n0:n0+C]}` for every `head_inputs` entry (all sliced along
     the anchor axis 1; the trainable parameters live in `head_fn`'s closure) and returns
     `logits` f32[B, C, S, V] (the corrected draft logits `l_i`), `confidence_logit` f32[B, C, S] and
-    optionally `extra_sums` (a dict of arrays, summed over chunks). `N` is padded up to a multiple of
-    `C = min(anchor_chunk, N)` with zeros (eval_mask 0), so `head_fn` must stay finite on zero inputs.
+    optionally `extra_sums` (a dict of arrays, summed over chunks) and `teacher_sums`, a function
+    `(p [B, C, S, V], labels, eval_mask) -> dict of sums` for sums that need the teacher distribution.
+    `N` is padded up to a multiple of `C = min(anchor_chunk, N)` with zeros (eval_mask 0), so `head_fn`
+    must stay finite on zero inputs.
 
     Inputs: `teacher_hidden_BxNxSxH` = `S[a+i]` (bf16 is fine), `lm_head_HxV` (frozen: stop_gradient),
     `labels_BxNxS` int = `x[a+1+i]`, `eval_mask_BxNxS` 0/1, cumulative over i and 0 on padded blocks.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 
 from dspark_jax.draft import blocks, objective
@@ -49,15 +51,19 @@ def objective_sums(
     targets: blocks.BlockTargets,
     h_BxNxSxH: jax.Array,
     engram_BxNxSxU: jax.Array | None = None,
+    heads: Callable | None = None,
 ) -> dict[str, jax.Array]:
     """Objective and metric sums of the blocks at `anchors_BxN` from their `block_states`;
-    `engram_BxNxSxU` are the predecessors' Engram features of Engram-Markov."""
+    `engram_BxNxSxU` are the predecessors' Engram features of Engram-Markov. `heads(model, frozen,
+    chunk)` replaces the draft's `heads` on one chunk of `{h, predecessors[, engram]}` (the prefix
+    reranker adds its scores and teacher-dependent sums there)."""
     cfg = model.cfg
     inputs = {"h": h_BxNxSxH, "predecessors": targets.predecessors}
     if engram_BxNxSxU is not None:
         inputs["engram"] = engram_BxNxSxU
+    heads = heads or (lambda m, f, chunk: m.heads(f, chunk["h"], chunk["predecessors"], chunk.get("engram")))
     return objective.block_objective_sums(
-        lambda chunk: model.heads(frozen, chunk["h"], chunk["predecessors"], chunk.get("engram")),
+        lambda chunk: heads(model, frozen, chunk),
         inputs,
         blocks.teacher_hidden(batch["last_hidden"], anchors_BxN, cfg.block_size),
         frozen.lm_head_HxV,

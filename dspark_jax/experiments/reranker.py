@@ -1,0 +1,134 @@
+"""Group 6, Prefix reranker (joint): the DSpark draft and the prefix reranker trained together from scratch.
+
+The objective is the baseline's on every valid prediction plus the rank loss: the candidate-set CE of the
+teacher argmax `v* = argmax p_i` over the predictions where `v*` is among the candidates `C_i`, weighted
+`exp(-i/4)` (0-based `i`; the seed's `exp(-(i-1)/4)`), normalised by the hit weight (zero without a hit).
+Metrics (the seed's "评估口径"): `tau_prob` of the reranked distribution (softmax of the K scores, zero
+outside the candidates; the teacher keeps its full-vocabulary `p`) and `pre_rerank_tau_prob` of the
+full-vocabulary DSpark distribution, `rerank_tau_gain` (their difference), `rerank_target_agreement_gain`
+(share of valid predictions whose greedy choice is `v*`, after minus before), `reranker/candidate_recall`
+(share with `v*` in `C_i`), `rerank_teacher_forced_prefix_gain` (per valid block, the leading predictions
+whose greedy choice equals the recorded token, after minus before), `rank_loss`, `rerank_accept_rate_i`.
+
+Model pieces and formulas: `dspark_jax.draft.reranker`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.draft import objective
+from dspark_jax.draft import reranker as reranker_lib
+from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.experiments.baseline import block_states, objective_sums
+from dspark_jax.experiments.registry import Batch, Experiment, register
+from dspark_jax.inference import engine
+
+RERANK_LOSS: objective.LossTerms = {**objective.DSPARK_LOSS, "rank_weight": {"rank": 1.0}}
+
+
+def rerank_sums(
+    logits_xSxV: jax.Array, reranked: reranker_lib.Reranked, p_xSxV: jax.Array, labels_xS, mask_xS
+) -> dict[str, jax.Array]:
+    """The rank loss and rerank metric sums of teacher-forced blocks `[..., S]` (see the module doc)."""
+    candidates_xSxK, scores_xSxK = reranked
+    valid_xS = mask_xS > 0
+    weight_xS = objective.position_weights(mask_xS)
+    v_star_xS = jnp.argmax(p_xSxV, axis=-1).astype(candidates_xSxK.dtype)
+    is_star_xSxK = candidates_xSxK == v_star_xS[..., None]
+    hit_xS = jnp.any(is_star_xSxK, axis=-1) & valid_xS
+    log_q_xSxK = jax.nn.log_softmax(scores_xSxK, axis=-1)
+    rank_ce_xS = -jnp.sum(jnp.where(is_star_xSxK, log_q_xSxK, 0.0), axis=-1)
+    p_cand_xSxK = jnp.take_along_axis(p_xSxV, candidates_xSxK, axis=-1)
+    overlap_xS = jax.lax.stop_gradient(jnp.sum(jnp.minimum(p_cand_xSxK, jnp.exp(log_q_xSxK)), axis=-1))
+    accepted_xS = jnp.where(valid_xS, overlap_xS * mask_xS, 0.0)
+    valid_block_x = valid_xS[..., 0]
+    tau_x = 1.0 + jnp.sum(jnp.cumprod(accepted_xS, axis=-1), axis=-1)
+    best_xS = jnp.argmax(scores_xSxK, axis=-1)
+    choice_xS = jnp.take_along_axis(candidates_xSxK, best_xS[..., None], axis=-1)[..., 0]
+    before_xS = jnp.argmax(logits_xSxV, axis=-1).astype(choice_xS.dtype)
+
+    def agree(c_xS):
+        return jnp.sum((c_xS == v_star_xS) & valid_xS)
+
+    def prefix(c_xS):
+        return jnp.sum(jnp.cumprod(((c_xS == labels_xS) & valid_xS).astype(jnp.int32), axis=-1))
+
+    total = lambda x: jnp.sum(x).astype(jnp.float32)
+    return {
+        "rank": total(jnp.where(hit_xS, weight_xS * rank_ce_xS, 0.0)),
+        "rank_weight": total(jnp.where(hit_xS, weight_xS, 0.0)),
+        "rerank_tau": total(jnp.where(valid_block_x, tau_x, 0.0)),
+        "rerank_accept": jnp.sum(accepted_xS.reshape(-1, accepted_xS.shape[-1]), axis=0),
+        "hits": total(hit_xS),
+        "agree_after": total(agree(choice_xS)),
+        "agree_before": total(agree(before_xS)),
+        "prefix_after": total(prefix(choice_xS)),
+        "prefix_before": total(prefix(before_xS)),
+    }
+
+
+def _reranked_heads(model: reranker_lib.RerankerDraft, frozen: FrozenTarget, chunk) -> dict:
+    out = model.heads(frozen, chunk["h"], chunk["predecessors"])
+    reranked = model.rerank(chunk["h"], out["logits"], chunk["predecessors"])
+    return out | {
+        "teacher_sums": lambda p, labels, mask: rerank_sums(out["logits"], reranked, p, labels, mask)
+    }
+
+
+def reranker_sums(
+    model: reranker_lib.RerankerDraft, frozen: FrozenTarget, batch: Batch
+) -> dict[str, jax.Array]:
+    """The baseline sums of the batch's blocks plus the reranker's (`rerank_sums`)."""
+    anchors_BxN = batch["anchors"]
+    targets, h_BxNxSxH = block_states(model, frozen, batch, anchors_BxN, batch["block_keep"])
+    return objective_sums(model, frozen, batch, anchors_BxN, targets, h_BxNxSxH, heads=_reranked_heads)
+
+
+def reranker_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """The baseline metrics with `tau_prob` of the reranked distribution, plus the rerank metrics."""
+    div = objective.safe_div
+    base = objective.metrics_from_sums(sums)
+    tau = div(sums["rerank_tau"], sums["blocks"])
+    accept_S = div(sums["rerank_accept"], sums["accept_count"])
+    return (
+        base
+        | {
+            "loss": objective.loss_from_sums(sums, RERANK_LOSS),
+            "tau_prob": tau,
+            "pre_rerank_tau_prob": base["tau_prob"],
+            "rerank_tau_gain": tau - base["tau_prob"],
+            "rerank_target_agreement_gain": div(
+                sums["agree_after"] - sums["agree_before"], sums["predictions"]
+            ),
+            "reranker/candidate_recall": div(sums["hits"], sums["predictions"]),
+            "rerank_teacher_forced_prefix_gain": div(
+                sums["prefix_after"] - sums["prefix_before"], sums["blocks"]
+            ),
+            "rank_loss": div(sums["rank"], sums["rank_weight"]),
+        }
+        | {f"rerank_accept_rate_{i}": accept_S[i] for i in range(accept_S.shape[0])}
+    )
+
+
+def _not_built(*args, **kwargs):
+    raise NotImplementedError(
+        "speculative decoding with the prefix reranker is not built yet (issue 14); without it the "
+        "engine would draft with the plain Markov head"
+    )
+
+
+RERANKER_JOINT = register(
+    Experiment(
+        name="reranker_joint",
+        build_draft=reranker_lib.RerankerDraft,
+        train_sums=reranker_sums,
+        loss_terms=RERANK_LOSS,
+        metrics=reranker_metrics,
+        proposer=engine.Proposer(_not_built, _not_built),
+        config_class=reranker_lib.RerankerDraftConfig,
+    )
+)

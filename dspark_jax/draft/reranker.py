@@ -100,6 +100,20 @@ class PrefixReranker(nnx.Module):
         x_BxSxW = x_BxSxW + self.ffn_out(jax.nn.silu(self.ffn_in(self.ffn_norm(x_BxSxW))))
         return self.out_norm(x_BxSxW).reshape(*lead, s, self.width)
 
+    def step(self, e_in_BxR: jax.Array, i: int, kv: tuple[jax.Array, jax.Array]):
+        """`prefix` one position at a time: `r_i` `[B, W]` from the token at in-block position `i` and the
+        keys/values `[B, S, Q, D]` of positions `< i`; returns `r_i` and the keys/values with `i` added."""
+        x_BxW = self.in_proj(e_in_BxR) + self.positions.get_value()[i].astype(self.in_proj.dtype)
+        h_Bx1xW = self.attn_norm(x_BxW)[:, None]
+        k_Bx1, v_Bx1 = self.attn.keys_values(h_Bx1xW)
+        k_cache, v_cache = (c.at[:, i].set(n[:, 0].astype(c.dtype)) for c, n in zip(kv, (k_Bx1, v_Bx1)))
+        s = k_cache.shape[1]
+        visible_Bx1xS = jnp.broadcast_to(jnp.arange(s) <= i, (x_BxW.shape[0], 1, s))
+        attended = gqa_attention(self.attn.queries(h_Bx1xW), k_cache, v_cache, visible_Bx1xS)
+        x_BxW = x_BxW + self.attn.o(attended)[:, 0]
+        x_BxW = x_BxW + self.ffn_out(jax.nn.silu(self.ffn_in(self.ffn_norm(x_BxW))))
+        return self.out_norm(x_BxW), (k_cache, v_cache)
+
     def queries(self, h_xH: jax.Array, r_xW: jax.Array) -> jax.Array:
         """`u = W_o SiLU(W_q [W_h h; r] + b_q)`."""
         return self.w_o(jax.nn.silu(self.w_q(jnp.concatenate([self.w_h(h_xH), r_xW], axis=-1))))
@@ -128,8 +142,30 @@ class RerankerDraft(DSparkDraft):
 
     def rerank(self, h_xSxH: jax.Array, logits_xSxV: jax.Array, predecessors_xS: jax.Array) -> Reranked:
         """Teacher-forced reranking of a whole block: `[t_0..t_i]` are the given predecessors."""
-        top_xSxK, candidates_xSxK = jax.lax.top_k(logits_xSxV, self.cfg.rerank_candidates)
         r_xSxW = self.reranker.prefix(self.markov.features(predecessors_xS).astype(self.dtype))
-        u_xSxW = self.reranker.queries(h_xSxH.astype(self.dtype), r_xSxW)
-        e_out_xSxKxR = out_rows(self.markov, candidates_xSxK).astype(self.dtype)
-        return Reranked(candidates_xSxK, top_xSxK + self.reranker.deltas(u_xSxW, e_out_xSxKxR))
+        return self.score(h_xSxH, r_xSxW, logits_xSxV)
+
+    def score(self, h_xH: jax.Array, r_xW: jax.Array, logits_xV: jax.Array, columns_xV=None) -> Reranked:
+        """The top-K candidates of `logits` (at vocabulary ids `columns`, default `0..V-1`) and their
+        scores `l(v) + u . k_v / sqrt(W)` for draft states `h` and prefix representations `r`."""
+        top_xK, index_xK = jax.lax.top_k(logits_xV, self.cfg.rerank_candidates)
+        candidates_xK = index_xK if columns_xV is None else jnp.take_along_axis(columns_xV, index_xK, axis=-1)
+        u_xW = self.reranker.queries(h_xH.astype(self.dtype), r_xW)
+        e_out_xKxR = out_rows(self.markov, candidates_xK).astype(self.dtype)
+        return Reranked(candidates_xK, top_xK + self.reranker.deltas(u_xW, e_out_xKxR))
+
+    def online_rescorer(self, batch: int):
+        """`engine.markov_select`'s `rescore` for one block of `batch` rows: the prefix keys/values grow by
+        one position per slot (trace-time state) and start empty each cycle."""
+        heads = self.cfg.rerank_heads
+        shape = (batch, self.cfg.block_size, heads, self.cfg.rerank_width // heads)
+        kv = [(jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))]
+
+        def rescore(i, h_BxH, predecessor_B, logits_BxC, columns_BxC):
+            r_BxW, kv[0] = self.reranker.step(
+                self.markov.features(predecessor_B).astype(self.dtype), i, kv[0]
+            )
+            candidates_BxK, scores_BxK = self.score(h_BxH, r_BxW, logits_BxC, columns_BxC)
+            return scores_BxK, candidates_BxK
+
+        return rescore

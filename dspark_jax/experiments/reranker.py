@@ -114,12 +114,14 @@ def reranker_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     )
 
 
-def _not_built(*args, **kwargs):
-    raise NotImplementedError(
-        "speculative decoding with the prefix reranker is not built yet (issue 14); without it the "
-        "engine would draft with the plain Markov head"
-    )
+def reranked_select(draft: reranker_lib.RerankerDraft, frozen, h_BxSxH, state, rng, settings):
+    """Markov selection with each slot's choice drawn from its reranked candidates (greedy: the best
+    score; sampling: the softmax of the K scores, which the proposals carry for lossless acceptance)."""
+    rescore = draft.online_rescorer(h_BxSxH.shape[0])
+    return engine.markov_select(draft, frozen, h_BxSxH, state, rng, settings, rescore=rescore)
 
+
+RERANKER_PROPOSER = engine.Proposer(engine.draft_hidden, reranked_select)
 
 RERANKER_JOINT = register(
     Experiment(
@@ -128,7 +130,7 @@ RERANKER_JOINT = register(
         train_sums=reranker_sums,
         loss_terms=RERANK_LOSS,
         metrics=reranker_metrics,
-        proposer=engine.Proposer(_not_built, _not_built),
+        proposer=RERANKER_PROPOSER,
         config_class=reranker_lib.RerankerDraftConfig,
     )
 )

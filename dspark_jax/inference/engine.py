@@ -134,12 +134,17 @@ def markov_select(
     rng,
     settings: SpecSettings,
     predecessor_features: Callable[[jax.Array], jax.Array] | None = None,
+    rescore: Callable | None = None,
 ) -> Proposals:
     """Sequential Markov selection: each slot's token from its corrected logits given the previous choice.
 
     `predecessor_features(token_B)`, called once per slot in order with that slot's predecessor (the
     anchor, then each choice), returns the features `[B, U]` the Markov head reads with it (Engram-Markov's
     lookup of the drafted prefix); None = the plain Markov head.
+
+    `rescore(i, h_BxH, predecessor_B, logits_BxC, columns_BxC)` (C = V, or K with `select_top_k`;
+    `columns` None for the whole vocabulary), called once per slot after the Markov correction, returns
+    `(scores_BxK, columns_BxK)`: the slot's candidates and the scores it draws from (the prefix reranker).
 
     With `settings.select_top_k = K` each slot's candidates are its K best base logits and the Markov
     correction reads only their K columns of `W2` (the full `[R, V]` matrix is otherwise read once per
@@ -159,15 +164,16 @@ def markov_select(
         columns = None if columns_BxSxK is None else columns_BxSxK[:, i]
         engram_BxU = None if predecessor_features is None else predecessor_features(token_B)
         out = draft.corrected(base_BxSxV[:, i], h_BxSxH[:, i], token_B, columns, engram_BxU)
-        choice_B = sample(out["logits"], jax.random.fold_in(rng, i), settings.params)
+        scores = out["logits"]
+        if rescore is not None:
+            scores, columns = rescore(i, h_BxSxH[:, i], token_B, scores, columns)
+        choice_B = sample(scores, jax.random.fold_in(rng, i), settings.params)
         if columns is None:
-            token_B, logits_BxV = choice_B, out["logits"]
+            token_B, logits_BxV = choice_B, scores
         else:
             token_B = jnp.take_along_axis(columns, choice_B[:, None], axis=1)[:, 0]
             rows_Bx1 = jnp.arange(columns.shape[0])[:, None]
-            logits_BxV = (
-                jnp.full((columns.shape[0], vocab), -jnp.inf).at[rows_Bx1, columns].set(out["logits"])
-            )
+            logits_BxV = jnp.full((columns.shape[0], vocab), -jnp.inf).at[rows_Bx1, columns].set(scores)
         drafts.append(token_B)
         logits.append(logits_BxV)
         confidence.append(jax.nn.sigmoid(out["confidence_logit"]))

@@ -208,3 +208,19 @@ def test_no_hit_anywhere_gives_a_zero_rank_loss():
 def test_bad_reranker_shapes_are_refused(bad):
     with pytest.raises(ValueError, match="rerank_"):
         RerankerDraftConfig(**{**_cfg().__dict__, **bad})
+
+
+def test_online_prefix_steps_equal_the_teacher_forced_block():
+    """The engine's per-slot rescorer (prefix keys/values growing one position at a time) gives the same
+    candidates and scores as the training path's causal pass over the whole block."""
+    model, _, _, _, targets, h, logits, _ = _setup(4, 16)
+    offline = model.rerank(h, logits, targets.predecessors)
+    b, n = h.shape[:2]
+    flat = lambda x: x.reshape(b * n, *x.shape[2:])
+    rescore = model.online_rescorer(b * n)
+    for i in range(S):
+        scores, candidates = rescore(
+            i, flat(h)[:, i], flat(targets.predecessors)[:, i], flat(logits)[:, i], None
+        )
+        np.testing.assert_array_equal(candidates, flat(offline.candidates_xSxK)[:, i])
+        np.testing.assert_allclose(scores, flat(offline.scores_xSxK)[:, i], rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from dspark_jax import experiments, sharding
 from dspark_jax.draft.engram import EngramDraftConfig
 from dspark_jax.draft.memory import MEMORY_SOURCES, MemoryDraft, MemoryDraftConfig
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
+from dspark_jax.draft.reranker import RerankerDraft, RerankerDraftConfig
 from dspark_jax.engram.hashing import HashSpec
 from dspark_jax.engram.table import device_table
 from dspark_jax.experiments.memory import MEMORY_PROPOSER
@@ -89,6 +90,17 @@ def _engram_parts(parts, mesh, group):
     return (target, _scaled(draft, mesh, 4.0), frozen)
 
 
+def _reranker_draft(mesh, trained=True):
+    """A reranker draft (16 of 48 candidates); `trained` makes its residual scores matter (`W_o` is zero
+    at initialisation)."""
+    cfg = RerankerDraftConfig(**DRAFT.__dict__, rerank_width=16, rerank_heads=4, rerank_ffn=64)
+    draft = RerankerDraft(cfg, rngs=nnx.Rngs(1))
+    if trained:
+        w_o = draft.reranker.w_o.kernel
+        w_o.set_value(3.0 * jax.random.normal(jax.random.key(5), w_o.get_value().shape))
+    return _scaled(draft, mesh, 4.0)
+
+
 def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSER):
     target, default_draft, frozen = parts
     graphdef, params, rest = nnx.split(draft or default_draft, nnx.Param, ...)
@@ -141,6 +153,43 @@ def test_greedy_speculation_with_engram_equals_target_greedy(parts, mesh1, group
     decoder = _decoder(engram_parts, mesh1, batch_size, proposer=experiments.get(group).proposer)
     assert decoder.generate(prompts, max_new_tokens=20) == expected
     assert decoder.report.as_dict()["cycles"] > len(prompts)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_speculation_with_the_reranker_equals_target_greedy(parts, mesh1, batch_size):
+    prompts = PROMPTS * 2
+    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=8, mesh=mesh1).generate(
+        prompts, max_new_tokens=20
+    )
+    proposer = experiments.get("reranker_joint").proposer
+    decoder = _decoder(parts, mesh1, batch_size, _reranker_draft(mesh1), proposer)
+    assert decoder.generate(prompts, max_new_tokens=20) == expected
+
+
+def test_reranked_proposals_at_initialisation_are_dspark_s(parts, mesh1):
+    """`W_o = 0`: the engine's reranked greedy block equals the plain Markov block; trained, it differs."""
+    target, _, frozen = parts
+    settings = engine.SpecSettings(8, SamplingParams(), (EOS,), AUX)
+    proposer = experiments.get("reranker_joint").proposer
+    blocks = {}
+    for trained in (False, True):
+        draft = _reranker_draft(mesh1, trained)
+        state = engine.prefill(
+            target,
+            draft,
+            jnp.asarray([PROMPTS[2]] * 2),
+            jnp.asarray([9, 9]),
+            jnp.asarray([True] * 2),
+            max_len=64,
+            settings=settings,
+            rng=jax.random.key(0),
+            proposer=proposer,
+        )
+        h = engine.draft_hidden(draft, frozen, state)
+        plain = engine.markov_select(draft, frozen, h, state, jax.random.key(0), settings)
+        blocks[trained] = (proposer.select(draft, frozen, h, state, jax.random.key(0), settings), plain)
+    np.testing.assert_array_equal(blocks[False][0].drafts_BxS, blocks[False][1].drafts_BxS)
+    assert not np.array_equal(blocks[True][0].drafts_BxS, blocks[True][1].drafts_BxS)
 
 
 def test_draft_memory_reaches_the_next_round(parts, mesh1):
@@ -272,7 +321,7 @@ def _chi_square_pvalue(tokens, probs_V):
     return chi.pvalue
 
 
-@pytest.mark.parametrize("group", ["baseline", "memory", *ENGRAM_GROUPS])
+@pytest.mark.parametrize("group", ["baseline", "memory", *ENGRAM_GROUPS, "reranker_joint"])
 def test_sampling_is_lossless(parts, mesh1, group):
     """The second and third generated tokens follow the target's distributions (the third one's cycle
     reads, with Draft Memory, the memory of the cycle that decided the second)."""
@@ -282,6 +331,8 @@ def test_sampling_is_lossless(parts, mesh1, group):
     rows = 1024
     if group == "memory":
         decoder = _decoder(parts, mesh1, rows, _memory_draft(mesh1, "with_memory"), MEMORY_PROPOSER)
+    elif group == "reranker_joint":
+        decoder = _decoder(parts, mesh1, rows, _reranker_draft(mesh1), experiments.get(group).proposer)
     elif group in ENGRAM_GROUPS:
         decoder = _decoder(
             _engram_parts(parts, mesh1, group), mesh1, rows, proposer=experiments.get(group).proposer

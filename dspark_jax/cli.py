@@ -47,6 +47,7 @@ PATH_KEYS = (
     ("target", "path"),
     ("engram", "table_path"),
     ("engram", "fit_source"),
+    ("init", "checkpoint"),
 )
 NAMED_SOURCES = ("sharegpt",)  # conversation sources that are names, not paths
 

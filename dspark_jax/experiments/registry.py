@@ -41,6 +41,9 @@ class Experiment:
       proposer: how the draft makes a block at inference (`inference.engine.Proposer`).
       config_class: the draft config built from the config's whole `draft` section.
       trainable: params -> pytree of bools (False = frozen parameter); None = all trainable.
+      init_from: the group whose checkpoint (`config.init.checkpoint`, at `config.init.step`) a new run
+        starts from: its parameters are restored into the same names (an exact match, checked), the
+        rest keep their initialisation; None = from scratch.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Experiment:
     proposer: Proposer = DSPARK_PROPOSER
     config_class: type[DraftConfig] = DraftConfig
     trainable: Callable[[Any], Any] | None = None
+    init_from: str | None = None
 
     @property
     def evaluation_sums(self) -> SumsFn:

@@ -1,4 +1,6 @@
-"""Group 6, Prefix reranker (joint): the DSpark draft and the prefix reranker trained together from scratch.
+"""Groups 6 and 7, Prefix reranker: joint (the DSpark draft and the prefix reranker trained together from
+scratch) and frozen baseline (a trained baseline checkpoint restored, only the reranker trained, with a
+fresh optimizer and schedule; metrics on the cumulative step axis: `config.init.step` + new steps).
 
 The objective is the baseline's on every valid prediction plus the rank loss: the candidate-set CE of the
 teacher argmax `v* = argmax p_i` over the predictions where `v*` is among the candidates `C_i`, weighted
@@ -132,5 +134,27 @@ RERANKER_JOINT = register(
         metrics=reranker_metrics,
         proposer=RERANKER_PROPOSER,
         config_class=reranker_lib.RerankerDraftConfig,
+    )
+)
+
+
+def reranker_only(params):
+    """The frozen group's trainable mask: the reranker's parameters."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[0], "key", None) == "reranker", params
+    )
+
+
+RERANKER_FROZEN = register(
+    Experiment(
+        name="reranker_frozen",
+        build_draft=reranker_lib.RerankerDraft,
+        train_sums=reranker_sums,
+        loss_terms=RERANK_LOSS,
+        metrics=reranker_metrics,
+        proposer=RERANKER_PROPOSER,
+        config_class=reranker_lib.RerankerDraftConfig,
+        trainable=reranker_only,
+        init_from="baseline",
     )
 )

@@ -193,6 +193,62 @@ def init_draft(config, target: TargetConfig, mesh: Mesh) -> tuple[nnx.GraphDef, 
     return graphdef, params, rest
 
 
+def init_source(config) -> tuple[epath.Path, int] | None:
+    """`(checkpoints directory, step)` a run of an `init_from` group starts from, checked before any work:
+    it exists, holds that step, and was trained by that group with the same shapes. None for other groups."""
+    experiment = experiments.get(config.experiment)
+    if experiment.init_from is None:
+        return None
+    init = config.init
+    if not init.checkpoint:
+        raise config_lib.UsageError(
+            f"config.init.checkpoint is empty: {config.experiment} starts from a {experiment.init_from} run "
+            f"(train one with python -m dspark_jax.train --config=configs/{experiment.init_from}.py)"
+        )
+    try:
+        directory, _ = resolve_checkpoint(init.checkpoint)
+        stored = run_config(init.checkpoint)
+    except FileNotFoundError as e:
+        raise config_lib.UsageError(f"config.init.checkpoint: {e}") from None
+    if stored.experiment != experiment.init_from:
+        raise config_lib.UsageError(
+            f"config.init.checkpoint {init.checkpoint} is a {stored.experiment!r} run; "
+            f"{config.experiment} starts from a {experiment.init_from!r} one"
+        )
+    config_lib.check_same_shape(
+        _as_group(config, experiment.init_from), stored, f"config.init.checkpoint {directory}"
+    )
+    with Checkpointer(directory) as checkpointer:
+        if init.step not in checkpointer.all_steps():
+            raise config_lib.UsageError(
+                f"config.init.step={init.step}: {directory} holds steps {checkpointer.all_steps()}"
+            )
+    return directory, init.step
+
+
+def _as_group(config, group: str):
+    """`config` as the `group` run it starts from: that experiment, its draft settings only."""
+    names = {f.name for f in dataclasses.fields(experiments.get(group).config_class)}
+    data = config.to_dict()
+    data["experiment"] = group
+    data["draft"] = {k: v for k, v in data["draft"].items() if k in names}
+    data.pop("init", None)
+    return config_lib.from_stored(data)
+
+
+def warm_start(config, target: TargetConfig, mesh: Mesh, params):
+    """`params` with the `init_from` run's parameters restored into their names (every one of that run's
+    parameters must be there with its shape, nothing else is read); the others keep their values."""
+    directory, step = init_source(config)
+    source = _as_group(config, experiments.get(config.experiment).init_from)
+    _, abstract, _ = abstract_draft(source, target)
+    abstract = sharding.with_shardings(abstract, mesh, sharding.rules_of(config))
+    with Checkpointer(directory) as checkpointer:
+        restored = checkpointer.restore_params(step, abstract)
+    log.info("warm start: %d parameter groups from %s step %d", len(restored), directory, step)
+    return nnx.State({**dict(params), **dict(restored)})
+
+
 def pipeline_config(
     config, side: TargetSide, *, batch_size: int, seed: int, num_epochs: int | None
 ) -> PipelineConfig:

@@ -84,9 +84,12 @@ def split_micro_batches(batch: Mapping[str, np.ndarray], num: int) -> list[dict[
     return [{k: v[i * size : (i + 1) * size] for k, v in fields.items()} for i in range(num)]
 
 
-def write_summary(workdir: epath.Path, checkpointer: Checkpointer, stages: Mapping[str, float]) -> None:
+def write_summary(
+    workdir: epath.Path, checkpointer: Checkpointer, stages: Mapping[str, float], pretrained_steps: int = 0
+) -> None:
     """`summary.json` in the work directory: where the run's outputs are, its final and best
-    evaluation, and the wall time of each stage (process 0 only)."""
+    evaluation (on the logged, cumulative step axis), the run's own steps and the steps of the run it
+    started from, and the wall time of each stage (process 0 only)."""
     if jax.process_index():
         return
     lines = [json.loads(line) for line in (workdir / METRICS_FILE).read_text().splitlines()]
@@ -96,6 +99,7 @@ def write_summary(workdir: epath.Path, checkpointer: Checkpointer, stages: Mappi
         "workdir": str(workdir),
         "checkpoint": str(checkpointer.directory / str(step)) if step else None,
         "step": step,
+        "pretrained_steps": pretrained_steps,
         "tensorboard": str(workdir / TENSORBOARD_DIR),
         "metrics": str(workdir / METRICS_FILE),
         "final_eval": dict(zip(("step", "tau_prob"), evals[-1])) if evals else None,
@@ -120,6 +124,9 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     check_workdir(workdir, config, allow_changed)
     t = config.train
     experiment = experiments.get(config.experiment)
+    # A run that starts from another one's checkpoint logs on the cumulative axis: its steps + `offset`.
+    pretrained = components.init_source(config)
+    offset = pretrained[1] if pretrained else 0
 
     # ---- Mesh, target side, caches -------------------------------------------------------
     stages = {"caches": -time.perf_counter()}
@@ -134,6 +141,8 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
 
     # ---- Draft, optimizer -------------------------------------------------------------------
     graphdef, params, rest = components.init_draft(config, side.config, mesh)
+    if pretrained and not (workdir / "checkpoints").exists():
+        params = components.warm_start(config, side.config, mesh, params)
     schedule, optimizer = components.make_training_optimizer(config, params)
     opt_state = jax.jit(optimizer.init)(params)
 
@@ -161,9 +170,9 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     if start:
         state, _ = checkpointer.restore(start, components.abstract_state(state), data_iter=train_iter)
         log.info("resumed from step %d", start)
-    writer = MetricWriter(workdir, resume_step=start)
+    writer = MetricWriter(workdir, resume_step=offset + start)
     progress = ProgressLogger(t.stop_step, start)
-    meta = {"config": config_lib.to_stored(config)}
+    meta = {"config": config_lib.to_stored(config), "pretrained_steps": offset}
 
     # ---- Compiled steps -----------------------------------------------------------------------
     micro_step = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=experiment))
@@ -190,7 +199,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 f"grad_norm={metrics['train/grad_norm']}; the last checkpoint is intact"
             )
         if step % t.log_every == 0 or step == t.stop_step:
-            writer.write(step, metrics)
+            writer.write(offset + step, metrics | ({"train/new_steps": step} if pretrained else {}))
             last = metrics
         progress.update(step, {"loss": metrics["train/loss"], "tau": metrics["train/tau_prob"]})
 
@@ -248,7 +257,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 )
                 stages["eval"] += time.perf_counter() - eval_began
                 metrics = dict(metrics) | {"wall_minutes": (time.perf_counter() - called) / 60}
-                writer.write(step, {f"eval/{k}": v for k, v in metrics.items()})
+                writer.write(offset + step, {f"eval/{k}": v for k, v in metrics.items()})
                 last = last | {f"eval/{k}": v for k, v in metrics.items()}
                 log.info(
                     "step %d eval: tau_prob %.4f, accept_rate_0 %.4f",
@@ -267,7 +276,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 break
     checkpointer.wait()
     stages["train"] += time.perf_counter() - stages["eval"] - stages["first_step"]
-    write_summary(workdir, checkpointer, stages)
+    write_summary(workdir, checkpointer, stages, offset)
     checkpointer.close()
     writer.close()
     if stop and step < t.stop_step:

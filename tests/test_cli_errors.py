@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = f"--config={ROOT}/configs/baseline.py:smoke"
 ENGRAM = f"--config={ROOT}/configs/engram_markov.py:smoke"
+FROZEN = f"--config={ROOT}/configs/reranker_frozen.py:smoke"
 
 
 def run(tmp_path, module, *args):
@@ -59,6 +60,12 @@ def run(tmp_path, module, *args):
             [ENGRAM, "--config.engram.table_path=notes.txt"],
             1,
             r"notes.txt is corrupt or not a table",
+        ),
+        (
+            "train",
+            [FROZEN, "--config.init.checkpoint=no_run"],
+            2,
+            r"config.init.checkpoint: checkpoint path not found: .*/no_run",
         ),
     ],
 )

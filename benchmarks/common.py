@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: experiment configs by file (scripts put the repository on `sys.path`)."""
+"""What the benchmark scripts share: experiment configs by file (scripts put the repository on `sys.path`),
+and the ablations' validation runs of one checkpoint under two variants."""
 
 from __future__ import annotations
 
@@ -19,3 +20,41 @@ def load_config_module(path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def ablation(checkpoint: str, variants, names: tuple[str, ...], batches: int = 0) -> None:
+    """Evaluates `checkpoint` on its validation cache once per variant and prints the metrics `names` per
+    variant and the first minus the second. `variants(config, side, graphdef)` returns `{label:
+    (graphdef, frozen)}` (two entries): the model and frozen inputs each evaluation runs with."""
+    from dspark_jax import experiments, sharding
+    from dspark_jax.data.pipeline import make_iterator
+    from dspark_jax.train import components, evaluation
+
+    config = components.run_config(checkpoint)
+    mesh = sharding.make_mesh(config.mesh.to_dict())
+    experiment = experiments.get(config.experiment)
+    side, paths = components.prepare_target_side(config, mesh)
+    source = components.open_source(paths["val"], config, side)
+    graphdef, params, rest, step = components.restore_draft(config, side.config, mesh, checkpoint)
+    micro_rows = config.train.global_batch // config.train.grad_accum
+    pipeline = components.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1)
+    rows = {
+        label: evaluation.evaluate(
+            evaluation.make_eval_sums(model, experiment),
+            experiment,
+            params,
+            rest,
+            frozen,
+            make_iterator(source, pipeline),
+            mesh,
+            batches,
+        )
+        for label, (model, frozen) in variants(config, side, graphdef).items()
+    }
+    first, second = rows.values()
+    width = max(16, *(len(n) + 2 for n in names))
+    print(f"{config.experiment} step {step}, {len(source)} validation samples")
+    print(f"{'':14s}" + "".join(f"{n:>{width}s}" for n in names))
+    for label, values in rows.items():
+        print(f"{label:14s}" + "".join(f"{values[n]:{width}.4f}" for n in names))
+    print(f"{'difference':14s}" + "".join(f"{first[n] - second[n]:{width}.4f}" for n in names))

@@ -78,6 +78,8 @@ class EngramMarkovDraft(DSparkDraft):
 class EngramMaskDraft(DSparkDraft):
     """The baseline draft whose MASK slots gain `tanh(theta_j) N(P e[a-1])` (gated Engram-MASK)."""
 
+    GATED = True  # False: the slots are `z` itself (replacement), no gates
+
     def __init__(self, cfg: EngramDraftConfig, *, rngs: nnx.Rngs, param_dtype=None, dtype=None):
         super().__init__(cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
         param_dtype = jnp.dtype(param_dtype or cfg.param_dtype)
@@ -89,35 +91,36 @@ class EngramMaskDraft(DSparkDraft):
             param_dtype=param_dtype,
             dtype=self.dtype,
         )
-        self.engram_gates = nnx.Param(jnp.zeros((cfg.block_size - 1,), param_dtype), axes=(None,))
+        if self.GATED:
+            self.engram_gates = nnx.Param(jnp.zeros((cfg.block_size - 1,), param_dtype), axes=(None,))
 
-    def engram_inputs(self, engram_BxNxU: jax.Array) -> jax.Array:
+    def engram_inputs(self, engram_BxNxU: jax.Array | None) -> jax.Array:
         """`z = N(P e)` `[B, N, H]`: the projected pre-anchor features (zero features give zero)."""
+        if engram_BxNxU is None:
+            raise ValueError("Engram-MASK needs the pre-anchor Engram features")
         return rms_norm(self.engram_proj(engram_BxNxU.astype(self.dtype)), self.cfg.rms_norm_eps)
 
     def block_inputs(self, frozen: FrozenTarget, anchor_tokens_BxN, engram_BxNxU=None):
-        if engram_BxNxU is None:
-            raise ValueError("Engram-MASK needs the pre-anchor Engram features")
+        z_BxNxH = self.engram_inputs(engram_BxNxU)
         x_BxNxSxH = super().block_inputs(frozen, anchor_tokens_BxN)
         gate_S = jnp.concatenate([jnp.zeros((1,)), jnp.tanh(self.engram_gates.get_value())]).astype(
             self.dtype
         )
-        return x_BxNxSxH + gate_S[:, None] * self.engram_inputs(engram_BxNxU)[:, :, None]
+        return x_BxNxSxH + gate_S[:, None] * z_BxNxH[:, :, None]
 
 
 class EngramReplaceDraft(EngramMaskDraft):
     """Slots 1..S-1 are `N(P e[a-1])` itself: no MASK vector, no gates (Engram-MASK replacement)."""
 
+    GATED = False
+
     def __init__(self, cfg: EngramDraftConfig, *, rngs: nnx.Rngs, param_dtype=None, dtype=None):
         super().__init__(cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
-        self.engram_gates = None
-        self.mask_embedding = None
+        self.mask_embedding = None  # the baseline's learned MASK (when it has one) is not used
 
     def block_inputs(self, frozen: FrozenTarget, anchor_tokens_BxN, engram_BxNxU=None):
-        if engram_BxNxU is None:
-            raise ValueError("Engram-MASK needs the pre-anchor Engram features")
-        anchor_BxNxH = jnp.take(frozen.embedding_VxH, anchor_tokens_BxN, axis=0).astype(self.dtype)
         z_BxNxH = self.engram_inputs(engram_BxNxU)
+        anchor_BxNxH = jnp.take(frozen.embedding_VxH, anchor_tokens_BxN, axis=0).astype(self.dtype)
         slots_BxNxSxH = jnp.broadcast_to(
             z_BxNxH[:, :, None], (*z_BxNxH.shape[:2], self.cfg.block_size, z_BxNxH.shape[-1])
         )

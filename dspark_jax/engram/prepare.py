@@ -36,7 +36,7 @@ from dspark_jax.config_lib import UsageError
 from dspark_jax.data.conversations import GSM8K_VAL256, SHAREGPT, load_conversations, user_turns
 from dspark_jax.engram.fit import fit_rows
 from dspark_jax.engram.hashing import HashSpec, compression_map
-from dspark_jax.engram.table import HostTable, device_table, load_table, save_table
+from dspark_jax.engram.table import HostTable, check_table, device_table, load_table, save_table
 from dspark_jax.target.chat import tokenize_conversation
 
 log = logging.getLogger(__name__)
@@ -161,16 +161,7 @@ def fit_table(config, target, path: str) -> HostTable:
     tokenizer = target.tokenizer
     compress_V = compression_map(tokenizer)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
-    spec = HashSpec.create(
-        max_order=e.max_order,
-        heads=e.heads,
-        head_dim=e.head_dim,
-        seed=e.seed,
-        layer_id=e.layer_id,
-        compressed_vocab=int(compress_V.max()) + 1,
-        pad_id=int(compress_V[pad]),
-        table_size=e.table_multiplier * tokenizer.vocab_size,
-    )
+    spec = hash_spec(config, tokenizer.vocab_size, int(compress_V.max()) + 1, int(compress_V[pad]))
     sequences = []
     for conversation in fit_conversations(config):
         try:
@@ -211,12 +202,13 @@ def prepare_table(
             f"{config.engram.fit_source!r}): set engram.table_path to a fitted table, or engram.fit_source "
             "to conversations disjoint from training (python -m dspark_jax.fit_engram)"
         )
-    fit_table(config, load_target(), path)
-    return load_table(path, expect)
+    table = fit_table(config, load_target(), path)
+    check_table(table, expect, path)
+    return table
 
 
-def synthetic_spec(config, vocab_size: int) -> HashSpec:
-    """The config's hashing over an identity compression of `vocab_size` ids (no tokenizer needed)."""
+def hash_spec(config, vocab_size: int, compressed_vocab: int, pad_id: int) -> HashSpec:
+    """The config's hashing for a target vocabulary of `vocab_size` ids compressed to `compressed_vocab`."""
     e = config.engram
     return HashSpec.create(
         max_order=e.max_order,
@@ -224,10 +216,15 @@ def synthetic_spec(config, vocab_size: int) -> HashSpec:
         head_dim=e.head_dim,
         seed=e.seed,
         layer_id=e.layer_id,
-        compressed_vocab=vocab_size,
-        pad_id=0,
+        compressed_vocab=compressed_vocab,
+        pad_id=pad_id,
         table_size=e.table_multiplier * vocab_size,
     )
+
+
+def synthetic_spec(config, vocab_size: int) -> HashSpec:
+    """The config's hashing over an identity compression of `vocab_size` ids (no tokenizer needed)."""
+    return hash_spec(config, vocab_size, vocab_size, 0)
 
 
 def synthetic_table(config, vocab_size: int, *, abstract: bool = False):

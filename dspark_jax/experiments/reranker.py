@@ -125,18 +125,6 @@ def reranked_select(draft: reranker_lib.RerankerDraft, frozen, h_BxSxH, state, r
 
 RERANKER_PROPOSER = engine.Proposer(engine.draft_hidden, reranked_select)
 
-RERANKER_JOINT = register(
-    Experiment(
-        name="reranker_joint",
-        build_draft=reranker_lib.RerankerDraft,
-        train_sums=reranker_sums,
-        loss_terms=RERANK_LOSS,
-        metrics=reranker_metrics,
-        proposer=RERANKER_PROPOSER,
-        config_class=reranker_lib.RerankerDraftConfig,
-    )
-)
-
 
 def reranker_only(params):
     """The frozen group's trainable mask: the reranker's parameters."""
@@ -145,16 +133,20 @@ def reranker_only(params):
     )
 
 
-RERANKER_FROZEN = register(
-    Experiment(
-        name="reranker_frozen",
-        build_draft=reranker_lib.RerankerDraft,
-        train_sums=reranker_sums,
-        loss_terms=RERANK_LOSS,
-        metrics=reranker_metrics,
-        proposer=RERANKER_PROPOSER,
-        config_class=reranker_lib.RerankerDraftConfig,
-        trainable=reranker_only,
-        init_from="baseline",
+def _register(name: str, **kwargs) -> Experiment:
+    return register(
+        Experiment(
+            name=name,
+            build_draft=reranker_lib.RerankerDraft,
+            train_sums=reranker_sums,
+            loss_terms=RERANK_LOSS,
+            metrics=reranker_metrics,
+            proposer=RERANKER_PROPOSER,
+            config_class=reranker_lib.RerankerDraftConfig,
+            **kwargs,
+        )
     )
-)
+
+
+RERANKER_JOINT = _register("reranker_joint")
+RERANKER_FROZEN = _register("reranker_frozen", trainable=reranker_only, init_from="baseline")

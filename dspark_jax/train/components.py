@@ -236,12 +236,12 @@ def _as_group(config, group: str):
     return config_lib.from_stored(data)
 
 
-def warm_start(config, target: TargetConfig, mesh: Mesh, params):
-    """`params` with the `init_from` run's parameters restored into their names (every one of that run's
-    parameters must be there with its shape, nothing else is read); the others keep their values."""
-    directory, step = init_source(config)
-    source = _as_group(config, experiments.get(config.experiment).init_from)
-    _, abstract, _ = abstract_draft(source, target)
+def warm_start(config, target: TargetConfig, mesh: Mesh, params, source: tuple[epath.Path, int]):
+    """`params` with the `init_from` run's parameters restored into their names from `source`
+    (`init_source`'s `(directory, step)`; every one of that run's parameters must be there with its
+    shape, nothing else is read); the others keep their values."""
+    directory, step = source
+    _, abstract, _ = abstract_draft(_as_group(config, experiments.get(config.experiment).init_from), target)
     abstract = sharding.with_shardings(abstract, mesh, sharding.rules_of(config))
     with Checkpointer(directory) as checkpointer:
         restored = checkpointer.restore_params(step, abstract)

@@ -140,9 +140,13 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     stages["setup"] = -time.perf_counter()
 
     # ---- Draft, optimizer -------------------------------------------------------------------
+    checkpointer = Checkpointer(
+        workdir / "checkpoints", max_to_keep=t.max_to_keep, save_interval_steps=t.checkpoint_every
+    )
+    start = checkpointer.latest_step() or 0
     graphdef, params, rest = components.init_draft(config, side.config, mesh)
-    if pretrained and not (workdir / "checkpoints").exists():
-        params = components.warm_start(config, side.config, mesh, params)
+    if pretrained and not start:
+        params = components.warm_start(config, side.config, mesh, params, pretrained)
     schedule, optimizer = components.make_training_optimizer(config, params)
     opt_state = jax.jit(optimizer.init)(params)
 
@@ -162,11 +166,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
         )
 
     # ---- Checkpoint restore -------------------------------------------------------------------
-    checkpointer = Checkpointer(
-        workdir / "checkpoints", max_to_keep=t.max_to_keep, save_interval_steps=t.checkpoint_every
-    )
     state = {"params": params, "opt_state": opt_state}
-    start = checkpointer.latest_step() or 0
     if start:
         state, _ = checkpointer.restore(start, components.abstract_state(state), data_iter=train_iter)
         log.info("resumed from step %d", start)

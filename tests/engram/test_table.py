@@ -7,23 +7,9 @@ from flax import nnx
 from dspark_jax.engram import fit
 from dspark_jax.engram.hashing import HashSpec, host_hashes
 from dspark_jax.engram.table import HostTable, TableError, load_table, save_table
-from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.model import Transformer
+from tests.inference.test_speculate import TARGET, H, V
 
-V, H = 48, 32
-TARGET = TargetConfig(
-    family="qwen3",
-    vocab_size=V,
-    hidden_size=H,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    qk_norm=True,
-    max_position_embeddings=256,
-    eos_token_ids=(3,),
-)
 COMPRESS = np.arange(V) % 40  # ids 40.. share compressed ids with 0..7
 SPEC = HashSpec.create(
     max_order=3, heads=2, head_dim=3, seed=1, layer_id=0, compressed_vocab=40, pad_id=2, table_size=60
@@ -85,7 +71,7 @@ def test_killed_fit_resumes_to_the_same_rows(model, tmp_path, monkeypatch):
     whole, _ = _fit(model, sequences, tmp_path / "whole.safetensors")
 
     class Killed(Exception):
-        pass
+        """The fit's process dying mid-way."""
 
     class DyingBar:
         def __init__(self, *a, **k):
@@ -97,7 +83,7 @@ def test_killed_fit_resumes_to_the_same_rows(model, tmp_path, monkeypatch):
                 raise Killed
 
         def close(self):
-            pass
+            """Nothing to close."""
 
     monkeypatch.setattr(fit, "tqdm", DyingBar)
     with pytest.raises(Killed):

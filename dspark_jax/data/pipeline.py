@@ -41,6 +41,7 @@ import bisect
 import dataclasses
 import logging
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -151,7 +152,8 @@ class PackPlan(Sequence):
     Each epoch takes the records in its own seeded random order and packs consecutive ones into a row
     while they fit in `max_length` tokens (next fit; a longer record gets a row of its own and is
     truncated there). Epochs are planned when first reached; `num_epochs=None` repeats forever (the
-    length is then `sys.maxsize`, as grain's `repeat`). Picklable, for grain workers.
+    length is then `sys.maxsize`, as grain's `repeat`). Thread-safe (grain's prefetch threads read rows
+    concurrently; planning an epoch is one critical section) and picklable, for grain workers.
     """
 
     def __init__(self, lengths: np.ndarray, max_length: int, seed: int, num_epochs: int | None):
@@ -161,6 +163,20 @@ class PackPlan(Sequence):
         self._num_epochs = num_epochs
         self._rows: list[tuple[int, ...]] = []  # the planned epochs' rows, in stream order
         self._epoch_starts = [0]  # first row of each planned epoch, then the end
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _plan_through(self, epochs: int) -> None:
+        """Plans epochs until `epochs` are planned (under the lock: two threads never plan one epoch)."""
+        with self._lock:
+            while len(self._epoch_starts) - 1 < epochs:
+                self._plan_epoch()
 
     def _plan_epoch(self) -> None:
         epoch = len(self._epoch_starts) - 1
@@ -179,15 +195,16 @@ class PackPlan(Sequence):
     def __len__(self) -> int:
         if self._num_epochs is None:
             return sys.maxsize
-        while len(self._epoch_starts) - 1 < self._num_epochs:
-            self._plan_epoch()
+        self._plan_through(self._num_epochs)
         return self._epoch_starts[self._num_epochs]
 
     def __getitem__(self, row: int) -> tuple[int, tuple[int, ...]]:
         if row < 0 or (self._num_epochs is not None and row >= len(self)):
             raise IndexError(f"row {row} out of range")
-        while self._epoch_starts[-1] <= row:
-            self._plan_epoch()
+        if self._epoch_starts[-1] <= row:
+            with self._lock:
+                while self._epoch_starts[-1] <= row:
+                    self._plan_epoch()
         epoch = bisect.bisect_right(self._epoch_starts, row) - 1
         return epoch, self._rows[row]
 

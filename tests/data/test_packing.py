@@ -7,6 +7,8 @@ sums of its samples computed apart, each in its own row.
 """
 
 import dataclasses
+import pickle
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,21 @@ def test_pack_plan_covers_every_record_once_per_epoch_within_max_length():
     assert [again[r] for r in range(len(plan))] == [plan[r] for r in range(len(plan))]
     with pytest.raises(IndexError):
         plan[len(plan)]
+
+
+def test_pack_plan_is_thread_safe_and_picklable():
+    """grain's prefetch threads read rows of a lazily planned plan at once: every row still carries the
+    epoch the serial plan gives it (a race planned one epoch twice, mislabelling the later epochs)."""
+    lengths = np.random.default_rng(0).integers(5, 40, 20_000)
+    serial = pipeline.PackPlan(lengths, 64, seed=3, num_epochs=None)
+    rows = range(0, 6 * 20_000 // 3, 997)  # into the sixth epoch or so
+    expected = [serial[r] for r in rows]
+    for _ in range(3):
+        shared = pipeline.PackPlan(lengths, 64, seed=3, num_epochs=None)
+        with ThreadPoolExecutor(16) as pool:
+            assert list(pool.map(shared.__getitem__, rows)) == expected
+    copy = pickle.loads(pickle.dumps(shared))
+    assert [copy[r] for r in rows] == expected
 
 
 def test_packed_row_layout_and_anchors_stay_inside_samples():

@@ -2,7 +2,8 @@
 
   python -m dspark_jax.speculate --checkpoint=DIR [--config=configs/baseline.py[:preset]] \
       [--input=IN.jsonl] [--output=OUT.json] [--temperature=T] [--top_p=P] [--concurrency=C] \
-      [--max_new_tokens=N] [--limit=N] [--seed=S] [--select_top_k=K] [--memory_source=SRC] [--offline]
+      [--max_new_tokens=N] [--limit=N] [--seed=S] [--select_top_k=K] [--memory_source=SRC] [--offline] \
+      [--schedule=fixed|confidence]
 
 `--checkpoint` takes a training work directory (its latest checkpoint) or one checkpoint's
 directory; the run's stored config is used unless `--config` is given (it must agree with the
@@ -14,6 +15,10 @@ teacher-forced metrics (tau_prob, accept_rate_i) of the same checkpoint on the v
 cache, which holds the target's replies to the GSM8K-256 prompts. `--memory_source` (Draft Memory
 checkpoints) picks where the next round's memory comes from: 'with_memory' (this round's states) or
 'no_memory' (one extra memory-free draft pass per round, as in training), or 'disabled' (no memory).
+`--schedule=confidence` lets the hardware-aware prefix scheduler choose how many proposals each request
+verifies per cycle, from the confidence head calibrated by `python -m dspark_jax.calibrate` (required
+first) and a verification throughput table profiled at start (reported as `sps_table`); `fixed`
+verifies all of them.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dspark_jax.cli import (
 )
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.draft.memory import MEMORY_SOURCES
+from dspark_jax.inference.decoder import SCHEDULES
 from dspark_jax.inference.timing import time_cycle_phases
 from dspark_jax.target import target_from_config
 from dspark_jax.target.generate import generate_replies
@@ -53,6 +59,12 @@ _MEMORY_SOURCE = flags.DEFINE_enum(
     None,
     list(MEMORY_SOURCES),
     "Draft Memory: the next round's memory source; default: config.draft.memory_source.",
+)
+_SCHEDULE = flags.DEFINE_enum(
+    "schedule",
+    "fixed",
+    list(SCHEDULES),
+    "Proposals verified per cycle: all, or the confidence scheduler's choice.",
 )
 _SELECT_TOP_K = flags.DEFINE_integer(
     "select_top_k",
@@ -85,12 +97,23 @@ def main(argv):
             config.draft.memory_source = _MEMORY_SOURCE.value
     sampling, seed, max_new = _SAMPLING.resolve(config)
     mesh = sharding.make_mesh(config.mesh.to_dict())
+    temperatures = None
+    if _SCHEDULE.value == "confidence":  # before the target loads: a missing calibration fails fast
+        step = components.checkpoint_step(_CHECKPOINT.value)
+        temperatures = components.load_calibration(_CHECKPOINT.value, step, config.draft.block_size)
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
     draft = components.restore_draft(config, target.config, mesh, _CHECKPOINT.value)
     step = draft[3]
     conversations = read_turns_jsonl(_INPUT.value)[: _LIMIT.value or None]
     decoder = components.speculative_decoder(
-        config, target, draft[:3], batch_size=_CONCURRENCY.value, mesh=mesh, select_top_k=_SELECT_TOP_K.value
+        config,
+        target,
+        draft[:3],
+        batch_size=_CONCURRENCY.value,
+        mesh=mesh,
+        select_top_k=_SELECT_TOP_K.value,
+        schedule=_SCHEDULE.value,
+        temperatures=temperatures,
     )
     reply_kw = dict(max_new_tokens=max_new, params=sampling, seed=seed)
     spec = generate_replies(decoder, target.tokenizer, target.chat_template, conversations, **reply_kw)
@@ -114,11 +137,14 @@ def main(argv):
             "proposals_per_cycle": decoder.block_size,
             "select_top_k": decoder.select_top_k,
             "memory_source": config.draft.get("memory_source"),
+            "schedule": decoder.schedule,
+            "confidence_temperatures": decoder.settings(max_new, sampling).confidence_temperatures,
             "conversations": len(conversations),
             "input": _INPUT.value,
         },
         "speculative": report,
         "cycle_phases_ms": phases,
+        "sps_table": decoder.sps_table.as_dict() if decoder.sps_table else None,
         "target_only": target_only,
         "speedup": report["tokens_per_second"] / max(target_only["tokens_per_second"], 1e-9),
     }

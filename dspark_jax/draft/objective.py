@@ -28,7 +28,8 @@ storing them for all `N` anchors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,25 @@ LossTerms = Mapping[str, Mapping[str, float]]
 DSPARK_LOSS: LossTerms = {"weight": {"ce": 0.1, "l1": 0.9, "bce": 1.0}}
 
 HeadFn = Callable[[dict[str, jax.Array]], Mapping[str, jax.Array | Mapping[str, jax.Array]]]
+
+_RECORDERS: list[list[dict[str, jax.Array]]] = []
+_BLOCKS = "_blocks"
+
+
+@contextlib.contextmanager
+def recording_blocks() -> Iterator[list[dict[str, jax.Array]]]:
+    """While tracing inside this context, every `block_objective_sums` call also appends its per-block
+    records to the yielded list: f32 `[B, N, S]` arrays `confidence_logit`, `greedy_accept` (the draft's
+    argmax equals the teacher's), `overlap` (`a_i`, the acceptance probability of sampling) and
+    `eval_mask`. Any experiment's evaluation sums give the records this way (the STS calibration reads
+    them) without a separate forward per group.
+    """
+    records: list[dict[str, jax.Array]] = []
+    _RECORDERS.append(records)
+    try:
+        yield records
+    finally:
+        _RECORDERS.pop()
 
 
 def position_weights(eval_mask_xS: jax.Array) -> jax.Array:
@@ -59,8 +79,10 @@ def _chunk_sums(
     teacher_hidden_BxCxSxH: jax.Array,
     labels_BxCxS: jax.Array,
     eval_mask_BxCxS: jax.Array,
+    record: bool = False,
 ) -> dict[str, jax.Array]:
-    """All sums of one chunk of `C` anchors; see `block_objective_sums` for the keys."""
+    """All sums of one chunk of `C` anchors; see `block_objective_sums` for the keys (`record` adds the
+    chunk's per-block records under `_BLOCKS`, see `recording_blocks`)."""
     out = head_fn(inputs)
     logits_BxCxSxV = sharding.constrain(out["logits"].astype(jnp.float32), ("batch", None, None, "vocab"))
     conf_logit_BxCxS = out["confidence_logit"].astype(jnp.float32)
@@ -116,6 +138,14 @@ def _chunk_sums(
     extra = {name: jnp.asarray(value, jnp.float32) for name, value in extra.items()}
     if clash := sorted(set(extra) & set(sums)):
         raise ValueError(f"head_fn extra_sums reuse reserved names {clash}")
+    if record:
+        greedy_BxCxS = jnp.argmax(logits_BxCxSxV, -1) == jnp.argmax(teacher_logits_BxCxSxV, -1)
+        extra[_BLOCKS] = {
+            "confidence_logit": conf_logit_BxCxS,
+            "greedy_accept": greedy_BxCxS.astype(jnp.float32),
+            "overlap": overlap_BxCxS,
+            "eval_mask": mask_BxCxS,
+        }
     return sums | extra
 
 
@@ -155,9 +185,15 @@ def block_objective_sums(
     `cumprod_i(sigmoid(s_i) * mask_i) - cumprod_i(a_i * mask_i)`), `predictions` (valid
     predictions), plus the `extra_sums` of `head_fn`.
     """
-    body = lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, *chunk_xs)
+    record = bool(_RECORDERS)
+    body = lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, *chunk_xs, record=record)
     xs = (dict(head_inputs), teacher_hidden_BxNxSxH, labels_BxNxS, eval_mask_BxNxS)
     per_chunk = scan_anchor_chunks(body, xs, anchor_chunk, remat=remat)
+    if record:
+        num_anchors = labels_BxNxS.shape[1]
+        _RECORDERS[-1].append(
+            {k: from_anchor_chunks(v, num_anchors) for k, v in per_chunk.pop(_BLOCKS).items()}
+        )
     return jax.tree.map(lambda x: jnp.sum(x, axis=0), per_chunk)
 
 

@@ -7,6 +7,10 @@ predicts `d_{i+1}`; `p_S` is the bonus position after all S drafts). Shape lette
 in `dspark_jax/__init__.py`. The cycle emits the
 accepted drafts `d_1..d_m` (`m = num_accepted`) followed by `next_token`, so `m + 1` tokens.
 
+`lengths_B` (optional, `0..S`) verifies only the first `l` drafts of a row, chosen before the target's
+verdicts (a prefix scheduler): `m <= l`, and when all `l` are accepted `next_token` is the target's own
+token at position `l` (its argmax, or a draw from `p_l`), exactly as if the block had `l` drafts.
+
 Everything here has fixed shapes and is pure JAX: call it under `jax.jit` with `params` static.
 """
 
@@ -39,7 +43,16 @@ def sampling_probabilities(logits_xV: jax.Array, params: SamplingParams) -> jax.
     return probs_xV.reshape(*lead, v)
 
 
-def accept_greedy(draft_BxS: jax.Array, target_logits_BxS1xV: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _verified(draft_BxS: jax.Array, lengths_B: jax.Array | None) -> jax.Array:
+    """int32 `[B, S]`: 1 where the draft is verified (all of them when `lengths_B` is None)."""
+    b, s = draft_BxS.shape
+    lengths_B = jnp.full((b,), s) if lengths_B is None else lengths_B
+    return (jnp.arange(s) < lengths_B[:, None]).astype(jnp.int32)
+
+
+def accept_greedy(
+    draft_BxS: jax.Array, target_logits_BxS1xV: jax.Array, lengths_B: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Exact-match acceptance: `(num_accepted_B, next_token_B)`, both int32.
 
     Accepts the longest prefix with `d_{i+1} == argmax p_i`; `next_token = argmax p_m` is the
@@ -49,7 +62,7 @@ def accept_greedy(draft_BxS: jax.Array, target_logits_BxS1xV: jax.Array) -> tupl
     """
     _check_shapes(draft_BxS, target_logits_BxS1xV)
     target_BxS1 = jnp.argmax(target_logits_BxS1xV, axis=-1).astype(jnp.int32)
-    matches_BxS = (draft_BxS.astype(jnp.int32) == target_BxS1[:, :-1]).astype(jnp.int32)
+    matches_BxS = (draft_BxS.astype(jnp.int32) == target_BxS1[:, :-1]) * _verified(draft_BxS, lengths_B)
     num_accepted_B = jnp.sum(jnp.cumprod(matches_BxS, axis=1), axis=1).astype(jnp.int32)
     next_token_B = jnp.take_along_axis(target_BxS1, num_accepted_B[:, None], axis=1)[:, 0]
     return num_accepted_B, next_token_B
@@ -61,6 +74,7 @@ def accept_sampling(
     target_logits_BxS1xV: jax.Array,
     rng: jax.Array,
     params: SamplingParams,
+    lengths_B: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Lossless speculative sampling (Leviathan et al.; Chen et al.): `(num_accepted_B, next_token_B)`.
 
@@ -80,7 +94,7 @@ def accept_sampling(
     the next-token draw, so the result is a deterministic function of the inputs and `rng`.
     """
     if params.temperature == 0:
-        return accept_greedy(draft_BxS, target_logits_BxS1xV)
+        return accept_greedy(draft_BxS, target_logits_BxS1xV, lengths_B)
     _check_shapes(draft_BxS, target_logits_BxS1xV)
     b, s = draft_BxS.shape
     if draft_logits_BxSxV.shape != (b, s, target_logits_BxS1xV.shape[2]):
@@ -98,11 +112,12 @@ def accept_sampling(
     u_BxS = jax.random.uniform(accept_rng, (b, s), jnp.float32)
     # `u < p / q` without the division: `p = 0` always rejects, `q = 0 < p` always accepts, and
     # `p = q > 0` always accepts since `u < 1`.
-    accepted_BxS = (u_BxS * q_draft_BxS < p_draft_BxS).astype(jnp.int32)
+    verified_BxS = _verified(draft_BxS, lengths_B)
+    accepted_BxS = (u_BxS * q_draft_BxS < p_draft_BxS) * verified_BxS
     num_accepted_B = jnp.sum(jnp.cumprod(accepted_BxS, axis=1), axis=1).astype(jnp.int32)
 
-    # Position S has no draft: a zero `q_S` makes its residual `p_S`, the bonus distribution.
-    q_BxS1xV = jnp.pad(q_BxSxV, ((0, 0), (0, 1), (0, 0)))
+    # Unverified positions (and S) have no draft: a zero `q` makes the residual `p`, the bonus distribution.
+    q_BxS1xV = jnp.pad(q_BxSxV * verified_BxS[..., None], ((0, 0), (0, 1), (0, 0)))
     at_Bx1x1 = num_accepted_B[:, None, None]
     p_BxV = jnp.take_along_axis(p_BxS1xV, at_Bx1x1, axis=1)[:, 0]
     q_BxV = jnp.take_along_axis(q_BxS1xV, at_Bx1x1, axis=1)[:, 0]

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.inference import calibration, scheduler
 from dspark_jax.inference.engine import DSPARK_PROPOSER, Proposer, SpecSettings, speculate_program
 from dspark_jax.target.generate import GREEDY, BatchedDecoding, Generator, SamplingParams, check_prompts
 from dspark_jax.target.model import Transformer
@@ -25,7 +26,10 @@ class SpecReport:
     `mal_pooled` = accepted tokens per cycle pooled over all cycles; `mal_per_request` = mean of
     each request's own mean; `accepted_hist[n]` = cycles that emitted `n` tokens (n = accepted
     drafts + 1); `acceptance_by_position[i]` = P(proposal i accepted | proposal i verified);
-    `confidence_by_position[i]` = mean predicted acceptance of the verified proposals i;
+    `confidence_by_position[i]` = mean predicted acceptance of the verified proposals i (calibrated when
+    the decoder has STS temperatures); `mean_verified_length` = proposals verified per cycle (7 under the
+    fixed schedule); `mal_per_verified_token` = tokens emitted per token the target verified (the pending
+    token included); `mean_verify_width` = the padded verification width per loop iteration;
     `loop_ms_per_cycle` = wall time per decode-loop iteration (a batch's rows cycle together;
     prefill included, so it sits above the pure cycle latency of `inference.timing`).
     """
@@ -41,10 +45,16 @@ class SpecReport:
     reached: np.ndarray | None = None
     accepted: np.ndarray | None = None
     confidence: np.ndarray | None = None
+    accepted_tokens: int = 0
+    verified: int = 0
+    verify_width: int = 0
 
     def add(self, stats: dict[str, np.ndarray], rows: int, tokens: int, iterations: int):
         cycles_B, lengths_B = stats["cycles_B"][:rows], stats["accepted_len_B"][:rows]
         self.loop_iterations += iterations
+        self.accepted_tokens += int(lengths_B.sum())
+        self.verified += int(stats["verified_B"][:rows].sum())
+        self.verify_width += int(stats["verify_width"])
         self.requests += rows
         self.generated_tokens += tokens
         self.cycles += int(cycles_B.sum())
@@ -72,11 +82,17 @@ class SpecReport:
             "confidence_by_position": (self.confidence / reached).tolist()
             if self.confidence is not None
             else [],
+            "mean_verified_length": self.verified / max(self.cycles, 1),
+            "mal_per_verified_token": self.accepted_tokens / max(self.verified + self.cycles, 1),
+            "mean_verify_width": self.verify_width / max(self.loop_iterations, 1),
             "seconds": self.seconds,
             "compile_seconds": self.compile_seconds,
             "tokens_per_second": self.generated_tokens / self.seconds if self.seconds else 0.0,
             "loop_ms_per_cycle": 1e3 * self.seconds / max(self.loop_iterations, 1),
         }
+
+
+SCHEDULES = ("fixed", "confidence")
 
 
 class SpeculativeDecoder(BatchedDecoding):
@@ -90,6 +106,11 @@ class SpeculativeDecoder(BatchedDecoding):
       batch_size: concurrent requests per compiled program.
       select_top_k: draft tokens are chosen among each slot's K best base logits (0 = all; see
         `engine.markov_select`).
+      schedule: 'fixed' verifies every proposal; 'confidence' lets the prefix scheduler choose per row
+        and cycle (`inference.scheduler`), from the confidence head calibrated by `temperatures`.
+      temperatures: STS temperatures per calibration mode (`calibration.MODES`), e.g. from
+        `calibration.load_temperatures`; None = the raw head (T = 1).
+      verify_buckets: the scheduler's verification widths (`scheduler.check_buckets`).
     """
 
     def __init__(
@@ -107,6 +128,9 @@ class SpeculativeDecoder(BatchedDecoding):
         batch_size: int = 1,
         mesh: Mesh | None = None,
         select_top_k: int = 0,
+        schedule: str = "fixed",
+        temperatures: dict[str, tuple[float, ...]] | None = None,
+        verify_buckets: Sequence[int] = scheduler.DEFAULT_BUCKETS,
     ):
         super().__init__(pad_id=pad_id, batch_size=batch_size, padding="right", mesh=mesh)
         if select_top_k < 0:
@@ -122,6 +146,14 @@ class SpeculativeDecoder(BatchedDecoding):
                 raise ValueError(f"draft and target disagree on {name}: draft {d}, target {v}")
         if not eos_ids:
             raise ValueError("at least one EOS id is needed to stop decoding")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        for mode, values in (temperatures or {}).items():
+            if mode not in calibration.MODES or len(values) != draft_cfg.block_size:
+                raise ValueError(
+                    f"temperatures[{mode!r}]: the mode must be one of {calibration.MODES} and the values "
+                    f"{draft_cfg.block_size}, one per proposal"
+                )
         self.target_graphdef, self.target_state = nnx.split(target)
         self.draft = (draft_graphdef, draft_params, draft_rest)
         self.proposer = proposer
@@ -131,6 +163,10 @@ class SpeculativeDecoder(BatchedDecoding):
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.eos_ids = tuple(int(e) for e in eos_ids)
         self.select_top_k = select_top_k
+        self.schedule = schedule
+        self.temperatures = dict(temperatures or {})
+        self.verify_buckets = scheduler.check_buckets(verify_buckets, self.block_size)
+        self.sps_table: scheduler.SpsTable | None = None  # profiled on the first confidence-scheduled batch
         self.report = SpecReport()
 
     def target_only(self) -> Generator:
@@ -162,21 +198,20 @@ class SpeculativeDecoder(BatchedDecoding):
             prompts, max_new_tokens, self.cfg.max_position_embeddings, reserved=2 * (self.block_size + 1)
         )
         results = []
+        settings = self.settings(max_new_tokens, params)
         for batch in self.batches(prompts):
-            settings = SpecSettings(
-                max_new_tokens, params, self.eos_ids, self.aux_layer_ids, self.select_top_k
-            )
+            max_len = self.max_len(batch.length, max_new_tokens)
             fn = functools.partial(
                 speculate_program,
                 target_graphdef=self.target_graphdef,
                 draft_graphdef=self.draft[0],
-                max_len=self.max_len(batch.length, max_new_tokens),
+                max_len=max_len,
                 settings=settings,
                 proposer=self.proposer,
             )
             rng = jax.random.fold_in(jax.random.key(seed), batch.start)
             args = (self.target_state, *self.draft[1:], self.frozen, batch.tokens_BxP, batch.lengths_B)
-            args = (*args, batch.real_B, rng)
+            args = (*args, batch.real_B, rng, self.sps(max_len) if settings.verify_buckets else None)
             program = self.compiled((batch.length, max_new_tokens, params), fn, *args)
             begin = time.perf_counter()
             state = jax.device_get(program(*args))
@@ -195,3 +230,28 @@ class SpeculativeDecoder(BatchedDecoding):
             )
         self.report.compile_seconds = self.compile_seconds
         return results
+
+    def settings(self, max_new_tokens: int, params: SamplingParams) -> SpecSettings:
+        """The static settings of this decoder's programs for one sampling setting."""
+        return SpecSettings(
+            max_new_tokens,
+            params,
+            self.eos_ids,
+            self.aux_layer_ids,
+            self.select_top_k,
+            self.temperatures.get(calibration.mode_of(params.temperature)),
+            self.verify_buckets if self.schedule == "confidence" else None,
+        )
+
+    def sps(self, max_len: int) -> jax.Array:
+        """The scheduler's throughput table `SPS(n)`, profiled on the first call at `max_len` cache slots."""
+        if self.sps_table is None:
+            self.sps_table = scheduler.profile_sps(
+                nnx.merge(self.target_graphdef, self.target_state),
+                rows=self.batch_size,
+                max_len=max_len,
+                buckets=self.verify_buckets,
+                aux_layer_ids=self.aux_layer_ids,
+            )
+        dense = self.sps_table.dense(self.batch_size * (self.block_size + 1))
+        return jax.device_put(dense, NamedSharding(self.mesh, PartitionSpec()))

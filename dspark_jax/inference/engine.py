@@ -9,10 +9,13 @@ known but not yet fed to the target. One cycle:
    given the previous choice (greedy, or sampled with temperature / top-p); with
    `select_top_k = K` the correction is computed for the K best base logits of each slot only
    (the choice is then among those K: still lossless, the target decides what is emitted);
-3. verify: the target runs `[x[p], d_1..d_7]` in one forward with its KV cache;
-4. accept: exact match (greedy) or lossless rejection sampling; `m` accepted drafts plus one
-   target token (the correction, or the bonus after 7 accepted) are emitted;
-5. roll back: the target cache keeps `p + m + 1` tokens; the draft context gains the target
+3. schedule: how many proposals `l` each row verifies: all 7 (`fixed`), or the prefix scheduler's choice
+   from the calibrated confidences (`confidence`, `dspark_jax.inference.scheduler`);
+4. verify: the target runs `[x[p], d_1..d_l]` in one forward with its KV cache (a padded bucket width
+   under the scheduler);
+5. accept: exact match (greedy) or lossless rejection sampling over the `l` verified proposals; `m`
+   accepted drafts plus one target token (the correction, or the bonus after `l` accepted) are emitted;
+6. roll back: the target cache keeps `p + m + 1` tokens; the draft context gains the target
    states of positions `p..p+m`; the next anchor is the emitted target token.
 
 Rows advance independently (per-row cache lengths); the whole decode is one `while_loop`.
@@ -26,6 +29,7 @@ Steps 1-2 belong to the experiment group: a `Proposer` (registered with the grou
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget
+from dspark_jax.inference import scheduler
 from dspark_jax.inference.acceptance import accept_greedy, accept_sampling
 from dspark_jax.target.generate import SamplingParams, sample
 from dspark_jax.target.model import KVCache, Transformer
@@ -48,6 +53,8 @@ class SpecSettings:
     eos_ids: tuple[int, ...]
     aux_layer_ids: tuple[int, ...]
     select_top_k: int = 0  # selection among each slot's top-K base logits; 0 = the whole vocabulary
+    confidence_temperatures: tuple[float, ...] | None = None  # STS temperature per proposal; None = 1
+    verify_buckets: tuple[int, ...] | None = None  # the confidence schedule's verify widths; None = fixed
 
 
 class SpecState(NamedTuple):
@@ -67,11 +74,12 @@ class SpecState(NamedTuple):
 
 
 class Proposals(NamedTuple):
-    """A block of `S` proposals per row: tokens, the logits they were drawn from, predicted acceptance."""
+    """A block of `S` proposals per row: tokens, the logits they were drawn from, the confidence head's
+    logits (proposal `i` accepted given the ones before it)."""
 
     drafts_BxS: jax.Array
     logits_BxSxV: jax.Array
-    confidence_BxS: jax.Array
+    confidence_logit_BxS: jax.Array
 
 
 class Proposer(NamedTuple):
@@ -176,7 +184,7 @@ def markov_select(
             logits_BxV = jnp.full((columns.shape[0], vocab), -jnp.inf).at[rows_Bx1, columns].set(scores)
         drafts.append(token_B)
         logits.append(logits_BxV)
-        confidence.append(jax.nn.sigmoid(out["confidence_logit"]))
+        confidence.append(out["confidence_logit"])
     return Proposals(jnp.stack(drafts, 1), jnp.stack(logits, 1), jnp.stack(confidence, 1))
 
 
@@ -225,6 +233,8 @@ def prefill(
         "reached_S": jnp.zeros((s,), jnp.int32),  # proposal i was verified
         "accepted_S": jnp.zeros((s,), jnp.int32),  # proposal i was accepted
         "confidence_S": jnp.zeros((s,), jnp.float32),  # sum of predicted acceptance over reached proposals
+        "verified_B": jnp.zeros((b,), jnp.int32),  # sum over the row's cycles of the proposals verified
+        "verify_width": jnp.int32(0),  # sum over loop iterations of the (padded) verification width
     }
     return SpecState(
         jnp.int32(0),
@@ -248,13 +258,15 @@ def cycle(
     state: SpecState,
     settings: SpecSettings,
     proposer: Proposer = DSPARK_PROPOSER,
+    sps_N: jax.Array | None = None,
 ) -> SpecState:
-    """One draft-select-verify-accept cycle for every row (finished rows change nothing)."""
+    """One draft-select-schedule-verify-accept cycle for every row (finished rows change nothing);
+    `sps_N` is the scheduler's throughput table (`confidence` schedule only)."""
     rng = cycle_rng(state)
     draft_out = proposer.draft_pass(draft, frozen, state)
     proposals = proposer.select(draft, frozen, draft_out, state, jax.random.fold_in(rng, 0), settings)
     new_state, num_accepted_B = verify_and_accept(
-        target, draft, state, proposals, settings, jax.random.fold_in(rng, 1)
+        target, draft, state, proposals, settings, jax.random.fold_in(rng, 1), sps_N
     )
     carry = proposer.next_carry(draft, state, draft_out, proposals, num_accepted_B)
     return new_state._replace(carry=carry)
@@ -264,6 +276,31 @@ def cycle_rng(state: SpecState) -> jax.Array:
     return jax.random.fold_in(state.rng, state.cycle + 1)  # 0 is the prefill's
 
 
+def confidence(proposals: Proposals, settings: SpecSettings) -> jax.Array:
+    """Predicted acceptance `c_i = sigmoid(z_i / T_i)` of each proposal, f32 `[B, S]` (STS temperatures)."""
+    logits_BxS = proposals.confidence_logit_BxS.astype(jnp.float32)
+    if settings.confidence_temperatures is not None:
+        logits_BxS = logits_BxS / jnp.asarray(settings.confidence_temperatures, jnp.float32)
+    return jax.nn.sigmoid(logits_BxS)
+
+
+def verify_lengths(proposals: Proposals, state: SpecState, settings: SpecSettings, sps_N) -> jax.Array:
+    """Proposals each row verifies this cycle: all `S` (fixed schedule) or the prefix scheduler's choice."""
+    b, s = proposals.drafts_BxS.shape
+    if settings.verify_buckets is None:
+        return jnp.full((b,), s, jnp.int32)
+    survival_BxS = jnp.cumprod(confidence(proposals, settings), axis=1)
+    return scheduler.schedule_lengths(survival_BxS, ~state.done_B, sps_N)
+
+
+def _verify_forward(target: Transformer, tokens_BxS1, cache: KVCache, settings: SpecSettings, width: int):
+    """Target forward of the first `width` tokens of each row: logits `[B, S+1, V]`, aux states and the
+    cache, zero-padded past `width` (those positions are never read: at most `width - 1` are verified)."""
+    out = target(tokens_BxS1[:, :width], cache=cache, aux_layer_ids=settings.aux_layer_ids)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, tokens_BxS1.shape[1] - width)] + [(0, 0)] * (x.ndim - 2))
+    return pad(target.logits(out.hidden_BxTxH)), pad(out.aux_BxTxAxH), out.cache
+
+
 def verify_and_accept(
     target: Transformer,
     draft: DSparkDraft,
@@ -271,25 +308,33 @@ def verify_and_accept(
     proposals: Proposals,
     settings: SpecSettings,
     rng,
+    sps_N: jax.Array | None = None,
 ) -> tuple[SpecState, jax.Array]:
-    """Target verification of the proposals, acceptance, emission and cache roll-back.
+    """Scheduling, target verification of the proposals, acceptance, emission and cache roll-back.
 
     Returns the next state and the number of accepted proposals per row.
     """
-    drafts_BxS, draft_logits, confidence_BxS = proposals
+    drafts_BxS, draft_logits, _ = proposals
     p_B = state.target_cache.end_B
-    verify = target(
-        jnp.concatenate([state.pending_B[:, None], drafts_BxS], 1),
-        cache=state.target_cache,
-        aux_layer_ids=settings.aux_layer_ids,
-    )
-    target_logits = target.logits(verify.hidden_BxTxH)
-    if settings.params.temperature == 0:
-        m_B, next_B = accept_greedy(drafts_BxS, target_logits)
-    else:
-        m_B, next_B = accept_sampling(drafts_BxS, draft_logits, target_logits, rng, settings.params)
     active_B = ~state.done_B
     s = drafts_BxS.shape[1]
+    lengths_B = verify_lengths(proposals, state, settings, sps_N)
+    tokens_BxS1 = jnp.concatenate([state.pending_B[:, None], drafts_BxS], 1)
+    forward = functools.partial(_verify_forward, target, tokens_BxS1, state.target_cache, settings)
+    if settings.verify_buckets is None:
+        width = jnp.int32(s + 1)
+        target_logits, aux_BxS1xAxH, target_cache = forward(s + 1)
+    else:
+        index = scheduler.bucket_index(lengths_B, active_B, settings.verify_buckets)
+        width = jnp.asarray(settings.verify_buckets, jnp.int32)[index]
+        branches = [functools.partial(forward, w) for w in settings.verify_buckets]
+        target_logits, aux_BxS1xAxH, target_cache = jax.lax.switch(index, branches)
+    if settings.params.temperature == 0:
+        m_B, next_B = accept_greedy(drafts_BxS, target_logits, lengths_B)
+    else:
+        m_B, next_B = accept_sampling(
+            drafts_BxS, draft_logits, target_logits, rng, settings.params, lengths_B
+        )
     # Emit d_1..d_m and the target token.
     positions_S1 = jnp.arange(s + 1)
     emitted_BxS1 = jnp.where(positions_S1 < m_B[:, None], jnp.pad(drafts_BxS, ((0, 0), (0, 1))), 0)
@@ -303,9 +348,11 @@ def verify_and_accept(
     out_BxO = jnp.where(active_B[:, None], out_BxO, state.out_BxO)
     # Roll the target cache back to the accepted prefix; extend the draft context with it.
     end_B = jnp.where(active_B, p_B + m_B + 1, p_B)
-    target_cache = verify.cache._replace(end_B=end_B)
-    draft_k, draft_v = append_context(draft, state.draft_k, state.draft_v, verify.aux_BxTxAxH, p_B)
-    reached_BxS = active_B[:, None] & (jnp.arange(s) <= m_B[:, None])
+    target_cache = target_cache._replace(end_B=end_B)
+    draft_k, draft_v = append_context(draft, state.draft_k, state.draft_v, aux_BxS1xAxH, p_B)
+    verified_BxS = jnp.arange(s) < lengths_B[:, None]
+    reached_BxS = active_B[:, None] & (jnp.arange(s) <= m_B[:, None]) & verified_BxS
+    confidence_BxS = confidence(proposals, settings)
     stats = {
         "cycles_B": state.stats["cycles_B"] + active_B,
         "accepted_len_B": state.stats["accepted_len_B"] + jnp.where(active_B, m_B + 1, 0),
@@ -313,6 +360,8 @@ def verify_and_accept(
         "reached_S": state.stats["reached_S"] + jnp.sum(reached_BxS, 0),
         "accepted_S": state.stats["accepted_S"] + jnp.sum(reached_BxS & (jnp.arange(s) < m_B[:, None]), 0),
         "confidence_S": state.stats["confidence_S"] + jnp.sum(jnp.where(reached_BxS, confidence_BxS, 0.0), 0),
+        "verified_B": state.stats["verified_B"] + jnp.where(active_B, lengths_B, 0),
+        "verify_width": state.stats["verify_width"] + width,
     }
     count_B = state.count_B + n_emit_B
     done_B = state.done_B | hit_eos | (count_B >= settings.max_new_tokens)
@@ -339,6 +388,7 @@ def speculate_program(
     lengths_B,
     real_B,
     rng,
+    sps_N=None,
     *,
     target_graphdef,
     draft_graphdef,
@@ -346,7 +396,8 @@ def speculate_program(
     settings: SpecSettings,
     proposer: Proposer = DSPARK_PROPOSER,
 ):
-    """Prefill + cycles until every row is done; returns the final `SpecState`."""
+    """Prefill + cycles until every row is done; returns the final `SpecState` (`sps_N`: the scheduler's
+    throughput table, `confidence` schedule only)."""
     target = nnx.merge(target_graphdef, target_state)
     draft = nnx.merge(draft_graphdef, draft_params, draft_rest)
     state = prefill(
@@ -361,5 +412,7 @@ def speculate_program(
         proposer=proposer,
     )
     return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done_B), lambda s: cycle(target, draft, frozen, s, settings, proposer), state
+        lambda s: ~jnp.all(s.done_B),
+        lambda s: cycle(target, draft, frozen, s, settings, proposer, sps_N),
+        state,
     )

@@ -7,6 +7,7 @@ another on real decoding states (each measured phase blocks until its result is 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -29,16 +30,19 @@ def time_cycle_phases(
 ) -> dict[str, float]:
     """Mean milliseconds per cycle of each phase over `cycles` cycles of the first batch of prompts.
 
-    Phases: `draft` (the proposer's draft pass), `select` (its token selection), `verify` (target
-    verification, acceptance, roll-back and the proposer's carry update).
+    Phases: `draft` (the proposer's draft pass), `select` (its token selection), `verify` (the decoder's
+    verification schedule, target verification, acceptance, roll-back and the proposer's carry update).
+    Under the confidence schedule the verify program picks one of its bucket branches per call; on XLA:CPU
+    a standalone call whose branch changes from the previous call measured ~15 ms above the same branch
+    inside the decode loop (demo target, concurrency 1), so there `SpecReport.loop_ms_per_cycle` is the
+    figure to read.
     """
     tg, dg = decoder.target_graphdef, decoder.draft[0]
     proposer = decoder.proposer
-    settings = engine.SpecSettings(
-        max_new_tokens + 8 * cycles, params, (-1,), decoder.aux_layer_ids, decoder.select_top_k
-    )
+    settings = dataclasses.replace(decoder.settings(max_new_tokens + 8 * cycles, params), eos_ids=(-1,))
     batch = next(decoder.batches(prompts[: decoder.batch_size]))
     max_len = decoder.max_len(batch.length, settings.max_new_tokens)
+    sps_N = decoder.sps(max_len) if settings.verify_buckets else None
 
     @jax.jit
     def prefill(ts, dp, dr, tokens, lengths, real, rng):
@@ -65,11 +69,11 @@ def time_cycle_phases(
         return proposer.select(nnx.merge(dg, dp, dr), frozen, draft_out, state, rng, settings)
 
     @jax.jit
-    def verify(ts, dp, dr, state, draft_out, proposals):
+    def verify(ts, dp, dr, state, draft_out, proposals, sps_N):
         draft = nnx.merge(dg, dp, dr)
         rng = jax.random.fold_in(engine.cycle_rng(state), 1)
         new_state, accepted_B = engine.verify_and_accept(
-            nnx.merge(tg, ts), draft, state, proposals, settings, rng
+            nnx.merge(tg, ts), draft, state, proposals, settings, rng, sps_N
         )
         carry = proposer.next_carry(draft, state, draft_out, proposals, accepted_B)
         return new_state._replace(carry=carry)
@@ -83,7 +87,7 @@ def time_cycle_phases(
         t1 = time.perf_counter()
         proposals = jax.block_until_ready(select(dp, dr, frozen, state, draft_out))
         t2 = time.perf_counter()
-        state = jax.block_until_ready(verify(ts, dp, dr, state, draft_out, proposals))
+        state = jax.block_until_ready(verify(ts, dp, dr, state, draft_out, proposals, sps_N))
         t3 = time.perf_counter()
         if index:
             for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):

@@ -26,6 +26,7 @@ from dspark_jax.cache.build import cache_path, prepare_split
 from dspark_jax.data.pipeline import PipelineConfig
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.engram import prepare as engram_prepare
+from dspark_jax.inference import calibration
 from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.target import Target, TargetConfig, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
@@ -299,6 +300,25 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[epath.Path, int | None]
     return path, None
 
 
+def calibration_file(checkpoint: str | os.PathLike, step: int) -> epath.Path:
+    """The STS calibration file of checkpoint `step` of the run that `checkpoint` names (beside its
+    checkpoints directory: `<workdir>/calibration/step_<step>/sts.json`)."""
+    return calibration.calibration_path(resolve_checkpoint(checkpoint)[0].parent, step)
+
+
+def load_calibration(
+    checkpoint: str | os.PathLike, step: int, block_size: int
+) -> dict[str, tuple[float, ...]]:
+    """The STS temperatures of every mode for checkpoint `step`; a clear error when it was never fitted."""
+    path = calibration_file(checkpoint, step)
+    if not path.exists():
+        raise config_lib.UsageError(
+            f"--schedule=confidence needs the STS calibration of step {step} ({path} is missing): run "
+            f"python -m dspark_jax.calibrate --checkpoint={checkpoint} first"
+        )
+    return {mode: calibration.load_temperatures(path, mode, block_size) for mode in calibration.MODES}
+
+
 def run_config(checkpoint: str | os.PathLike, given=None):
     """The config a run was trained with, read from its checkpoint metadata.
 
@@ -324,20 +344,38 @@ def restore_draft(config, target: TargetConfig, mesh: Mesh, checkpoint: str | os
     graphdef, abstract_params, _ = abstract_draft(config, target)
     abstract_params = sharding.with_shardings(abstract_params, mesh, sharding.rules_of(config))
     _, rest = _build_state(config, target, mesh, with_params=False)
-    directory, step = resolve_checkpoint(checkpoint)
+    directory, _ = resolve_checkpoint(checkpoint)
+    step = checkpoint_step(checkpoint)
     with Checkpointer(directory) as checkpointer:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {directory}")
         params = checkpointer.restore_params(step, abstract_params)
     return graphdef, params, rest, step
 
 
+def checkpoint_step(checkpoint: str | os.PathLike) -> int:
+    """The step `checkpoint` names: the given step's directory, else the latest checkpoint."""
+    directory, step = resolve_checkpoint(checkpoint)
+    if step is None:
+        with Checkpointer(directory) as checkpointer:
+            step = checkpointer.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {directory}")
+    return step
+
+
 def speculative_decoder(
-    config, target: Target, draft, *, batch_size: int, mesh: Mesh, select_top_k: int | None = None
+    config,
+    target: Target,
+    draft,
+    *,
+    batch_size: int,
+    mesh: Mesh,
+    select_top_k: int | None = None,
+    schedule: str = "fixed",
+    temperatures: dict[str, tuple[float, ...]] | None = None,
 ) -> SpeculativeDecoder:
     """The experiment's speculative decoder for a loaded target and a draft `(graphdef, params, rest)`;
-    `select_top_k` defaults to the config's `generate.select_top_k`."""
+    `select_top_k` defaults to the config's `generate.select_top_k`; `schedule` and `temperatures` as in
+    `SpeculativeDecoder`."""
     if select_top_k is None:
         select_top_k = config.generate.get("select_top_k", 0)  # absent from configs stored before it
     side = side_from_target(target, mesh)
@@ -354,4 +392,6 @@ def speculative_decoder(
         batch_size=batch_size,
         mesh=mesh,
         select_top_k=select_top_k,
+        schedule=schedule,
+        temperatures=temperatures,
     )

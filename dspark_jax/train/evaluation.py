@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -13,6 +15,7 @@ from jax.sharding import Mesh
 from dspark_jax import experiments, sharding
 from dspark_jax.data.batch import device_fields
 from dspark_jax.data.pipeline import make_iterator, to_global
+from dspark_jax.draft import objective
 from dspark_jax.experiments import Experiment
 from dspark_jax.train import components
 from dspark_jax.train import step as step_lib
@@ -46,11 +49,24 @@ def evaluate(
     return {k: float(v) for k, v in jax.device_get(experiment.metrics(total)).items()}
 
 
-def evaluate_checkpoint(config, checkpoint: str | os.PathLike) -> dict[str, float]:
-    """Metrics of a trained draft on the whole validation cache of `config`."""
+class Validation(NamedTuple):
+    """A trained draft with what evaluating it on the validation cache of its config needs."""
+
+    experiment: Experiment
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    rest: nnx.State
+    step: int
+    frozen: object
+    samples: int
+    batches: Iterator[Mapping[str, np.ndarray]]  # one epoch of micro-batches
+    mesh: Mesh
+    rules: sharding.Rules
+
+
+def open_validation(config, checkpoint: str | os.PathLike) -> Validation:
+    """Restores the draft of `checkpoint` and opens one epoch of its config's validation cache."""
     mesh = sharding.make_mesh(config.mesh.to_dict())
-    rules = sharding.rules_of(config)
-    experiment = experiments.get(config.experiment)
     side, paths = components.prepare_target_side(config, mesh)
     source = components.open_source(paths["val"], config, side)
     graphdef, params, rest, step = components.restore_draft(config, side.config, mesh, checkpoint)
@@ -59,16 +75,57 @@ def evaluate_checkpoint(config, checkpoint: str | os.PathLike) -> dict[str, floa
         source,
         components.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1),
     )
-    with sharding.activation_sharding(mesh, rules):
+    experiment = experiments.get(config.experiment)
+    return Validation(
+        experiment,
+        graphdef,
+        params,
+        rest,
+        step,
+        side.frozen,
+        len(source),
+        batches,
+        mesh,
+        sharding.rules_of(config),
+    )
+
+
+def evaluate_checkpoint(config, checkpoint: str | os.PathLike) -> dict[str, float]:
+    """Metrics of a trained draft on the whole validation cache of `config`."""
+    v = open_validation(config, checkpoint)
+    with sharding.activation_sharding(v.mesh, v.rules):
         metrics = evaluate(
-            make_eval_sums(graphdef, experiment),
-            experiment,
-            params,
-            rest,
-            side.frozen,
-            batches,
-            mesh,
+            make_eval_sums(v.graphdef, v.experiment),
+            v.experiment,
+            v.params,
+            v.rest,
+            v.frozen,
+            v.batches,
+            v.mesh,
             0,
-            rules,
+            v.rules,
         )
-    return {"step": step, "samples": len(source), **metrics}
+    return {"step": v.step, "samples": v.samples, **metrics}
+
+
+def block_records(v: Validation) -> list[dict[str, np.ndarray]]:
+    """Per validation micro-batch, the teacher-forced per-block records of `objective.recording_blocks`
+    (`[rows, N, S]` arrays) of the experiment's own evaluation forward."""
+
+    def records(params, rest, frozen, batch):
+        with objective.recording_blocks() as recorded:
+            v.experiment.evaluation_sums(nnx.merge(v.graphdef, params, rest), frozen, batch)
+        if len(recorded) != 1:
+            raise ValueError(
+                f"experiment {v.experiment.name!r}: its evaluation computes the objective {len(recorded)} "
+                "times; block records need exactly one"
+            )
+        return {k: x.astype(jnp.float32) for k, x in recorded[0].items()}
+
+    fn = jax.jit(records)
+    out = []
+    with sharding.activation_sharding(v.mesh, v.rules):
+        for batch in v.batches:
+            arrays = fn(v.params, v.rest, v.frozen, to_global(device_fields(batch), v.mesh, v.rules))
+            out.append({k: np.asarray(x) for k, x in jax.device_get(arrays).items()})
+    return out

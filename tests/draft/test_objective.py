@@ -124,6 +124,34 @@ def test_sums_and_metrics_match_float64_reference(lengths):
     np.testing.assert_allclose(w.sum(), ref_sums["weight"], rtol=1e-6)
 
 
+def test_recorded_blocks_equal_a_numpy_computation_and_leave_the_sums_unchanged():
+    """`recording_blocks` (what STS calibration reads): per block and position, the confidence logit, greedy
+    acceptance (draft argmax = teacher argmax), overlap and mask, in anchor order, from a chunked scan."""
+    prob = _random_problem(2, N=5)
+    eval_mask = _mask_from_lengths(LENGTHS)
+    plain = _sums_of(prob, eval_mask, chunk=2)
+    with objective.recording_blocks() as records:
+        recorded_sums = _sums_of(prob, eval_mask, chunk=2)
+    assert len(records) == 1
+    for name in plain:
+        np.testing.assert_array_equal(recorded_sums[name], plain[name], err_msg=name)
+    teacher = np.float64(prob["teacher_hidden"]) @ np.float64(prob["lm_head"])
+    p = np.exp(teacher - teacher.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    q = np.exp(np.float64(prob["logits"]) - prob["logits"].max(-1, keepdims=True))
+    q /= q.sum(-1, keepdims=True)
+    want = {
+        "confidence_logit": prob["conf"],
+        "greedy_accept": prob["logits"].argmax(-1) == teacher.argmax(-1),
+        "overlap": np.minimum(p, q).sum(-1),
+        "eval_mask": eval_mask,
+    }
+    assert set(records[0]) == set(want)
+    for name, value in want.items():
+        assert records[0][name].shape == value.shape, name
+        np.testing.assert_allclose(records[0][name], value, rtol=2e-5, atol=1e-6, err_msg=name)
+
+
 def test_chunking_invariance():
     prob = _random_problem(1, N=7)
     eval_mask = _mask_from_lengths([[7, 3, 0, 1, 6, 7, 2], [0, 7, 7, 2, 0, 5, 4]])

@@ -15,7 +15,7 @@ from dspark_jax.draft.reranker import RerankerDraft, RerankerDraftConfig
 from dspark_jax.engram.hashing import HashSpec
 from dspark_jax.engram.table import device_table
 from dspark_jax.experiments.memory import MEMORY_PROPOSER
-from dspark_jax.inference import engine
+from dspark_jax.inference import engine, scheduler
 from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.generate import Generator, SamplingParams
@@ -101,10 +101,10 @@ def _reranker_draft(mesh, trained=True):
     return _scaled(draft, mesh, 4.0)
 
 
-def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSER):
+def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSER, **kw):
     target, default_draft, frozen = parts
     graphdef, params, rest = nnx.split(draft or default_draft, nnx.Param, ...)
-    return SpeculativeDecoder(
+    decoder = SpeculativeDecoder(
         target,
         graphdef,
         params,
@@ -116,6 +116,34 @@ def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSE
         pad_id=0,
         batch_size=batch_size,
         mesh=mesh,
+        **kw,
+    )
+    if kw.get("schedule") == "confidence":
+        # A crafted table instead of the profile: SPS(n) = 1 / (n + rows) admits a proposal while its
+        # survival beats tau* / (n + rows), so the verified lengths vary with the confidences.
+        n = np.arange(1, batch_size * (DRAFT.block_size + 1) + 1)
+        decoder.sps_table = scheduler.SpsTable(batch_size, 0, tuple(n), tuple(1.0 / (n + batch_size)))
+    return decoder
+
+
+SCHEDULED = dict(schedule="confidence", temperatures={"greedy": (0.5,) * 7, "sampling": (2.0,) * 7})
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_greedy_speculation_with_the_prefix_scheduler_equals_target_greedy(parts, mesh1, batch_size):
+    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=4, mesh=mesh1).generate(
+        PROMPTS, max_new_tokens=20
+    )
+    decoder = _decoder(parts, mesh1, batch_size, **SCHEDULED)
+    assert decoder.generate(PROMPTS, max_new_tokens=20) == expected
+    report = decoder.report.as_dict()
+    assert 0 < report["mean_verified_length"] < 7 and 1 <= report["mean_verify_width"] < 8
+    assert report["mal_per_verified_token"] > report["mal_pooled"] / 8
+    fixed = _decoder(parts, mesh1, batch_size)
+    fixed.generate(PROMPTS, max_new_tokens=20)
+    assert (
+        fixed.report.as_dict()["mean_verified_length"] == 7
+        and fixed.report.as_dict()["mean_verify_width"] == 8
     )
 
 
@@ -321,10 +349,11 @@ def _chi_square_pvalue(tokens, probs_V):
     return chi.pvalue
 
 
-@pytest.mark.parametrize("group", ["baseline", "memory", *ENGRAM_GROUPS, "reranker_joint"])
+@pytest.mark.parametrize("group", ["baseline", "scheduled", "memory", *ENGRAM_GROUPS, "reranker_joint"])
 def test_sampling_is_lossless(parts, mesh1, group):
     """The second and third generated tokens follow the target's distributions (the third one's cycle
-    reads, with Draft Memory, the memory of the cycle that decided the second)."""
+    reads, with Draft Memory, the memory of the cycle that decided the second). 'scheduled' is the
+    baseline under the prefix scheduler: each row verifies its own number of proposals."""
     target = parts[0]
     prompt = [5, 9, 11, 7]
     params = SamplingParams(temperature=1.0)
@@ -338,8 +367,10 @@ def test_sampling_is_lossless(parts, mesh1, group):
             _engram_parts(parts, mesh1, group), mesh1, rows, proposer=experiments.get(group).proposer
         )
     else:
-        decoder = _decoder(parts, mesh1, rows)
+        decoder = _decoder(parts, mesh1, rows, **(SCHEDULED if group == "scheduled" else {}))
     outs = decoder.generate([prompt] * rows, max_new_tokens=3, params=params, seed=3)
+    if group == "scheduled":
+        assert 0 < decoder.report.as_dict()["mean_verified_length"] < 7
     forward = jax.jit(lambda ids: jax.nn.softmax(target.logits(target(ids).hidden_BxTxH[:, -1])))
     p1_V = np.asarray(forward(jnp.asarray([prompt])))[0].astype(np.float64)
     p2_VxV = np.asarray(forward(jnp.asarray([[*prompt, t] for t in range(V)]))).astype(np.float64)

@@ -61,6 +61,28 @@ def test_speculate_cli_reports_mal_and_matches_target_greedy(tmp_path):
     assert proc.returncode == 2 and "--memory_source applies to Draft Memory" in proc.stderr, proc.stderr[
         -2000:
     ]
+    # The prefix scheduler needs the STS calibration first; then it decodes losslessly and reports.
+    scheduled = [*cmd[:-1], "--schedule=confidence"]  # without --offline
+    proc = subprocess.run(scheduled, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "python -m dspark_jax.calibrate --checkpoint=" in proc.stderr, (
+        proc.stderr[-2000:]
+    )
+    calibrate = [sys.executable, "-m", "dspark_jax.calibrate", f"--checkpoint={tmp_path / 'work'}"]
+    proc = subprocess.run(calibrate, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sts = tmp_path / "work" / "calibration" / "step_2"
+    record = json.loads((sts / "sts.json").read_text())
+    assert record["step"] == 2 and record["blocks"]["fit"] > 0
+    for mode in ("greedy", "sampling"):
+        assert len(record["temperatures"][mode]) == 7 and min(record["temperatures"][mode]) > 0
+        assert len(record["ece"][mode]["held_out"]["after"]) == 7
+        assert (sts / f"reliability_{mode}.png").stat().st_size > 0
+    proc = subprocess.run(scheduled, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["identical_to_target_greedy"] == "3/3" and result["settings"]["schedule"] == "confidence"
+    assert result["settings"]["confidence_temperatures"] == record["temperatures"]["greedy"]
+    assert len(result["sps_table"]["sps"]) == 4 and 0 <= result["speculative"]["mean_verified_length"] <= 7
 
 
 @pytest.mark.slow

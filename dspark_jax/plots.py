@@ -1,0 +1,46 @@
+"""PNG figures of the project's reports (matplotlib, headless)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def reliability_diagrams(
+    path: str | os.PathLike, tables: Mapping[str, Sequence[Mapping[str, list]]], title: str
+) -> None:
+    """One panel per position: measured vs predicted acceptance per bin, a curve per table name.
+
+    `tables[name][k]` is `calibration.reliability(...)` of position `k` (bins with `count`, mean
+    `confidence` and mean `accuracy`); the diagonal is perfect calibration.
+    """
+    names = list(tables)
+    positions = len(tables[names[0]])
+    cols = min(positions, 4)
+    rows = -(-positions // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    for k, ax in enumerate(axes.flat):
+        if k >= positions:
+            ax.axis("off")
+            continue
+        ax.plot([0, 1], [0, 1], color="0.7", lw=1)
+        for name in names:
+            bins = tables[name][k]
+            kept = [(c, a) for c, a in zip(bins["confidence"], bins["accuracy"]) if c is not None]
+            if kept:
+                ax.plot(*zip(*kept), marker="o", ms=3, label=name)
+        ax.set(xlim=(0, 1), ylim=(0, 1), title=f"prefix through proposal {k + 1}")
+        if k % cols == 0:
+            ax.set_ylabel("measured acceptance")
+        if k >= positions - cols:
+            ax.set_xlabel("predicted survival")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

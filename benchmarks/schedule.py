@@ -112,9 +112,7 @@ def main():
         )
     for concurrency, table in tables.items():
         sps = ", ".join(f"{n}: {v:.1f}" for n, v in zip(table["tokens"], table["sps"]))
-        print(
-            f"SPS, concurrency {concurrency} ({table['cache_slots']} cache slots), tokens: passes/s {sps}"
-        )
+        print(f"SPS, concurrency {concurrency} ({table['cache_slots']} cache slots), tokens: passes/s {sps}")
     if args.output:
         Path(args.output).write_text(json.dumps({"rows": rows, "sps_tables": tables}, indent=2) + "\n")
 

@@ -1,4 +1,4 @@
-"""Training step time and tokens/s of the demo and smoke presets, and blocked vs dense block attention.
+"""Training step time and tokens/s of the demo and smoke presets (block attention alone: block_attention.py).
 
   python benchmarks/train_step.py [--steps=5] [--presets=smoke,demo] \
       [--config=configs/baseline.py,configs/memory.py] \
@@ -10,9 +10,7 @@ config's at the same preset (e.g. Draft Memory's two-stage step next to the base
 Step timing uses synthetic batches with each preset's exact shapes (values do not change
 the work), so no cache is needed; `paper` uses the seed's target shape without its weights.
 `--overrides` sets config keys (`section.key=value`, comma-separated) for every preset, e.g. one
-micro-batch per step to time the paper micro-step on one accelerator. The attention comparison
-runs forward + backward of the chunked XLA block attention and of the dense masked reference at a
-mid-size shape and prints time, XLA temp memory and their ratios.
+micro-batch per step to time the paper micro-step on one accelerator.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,7 +33,6 @@ from dspark_jax.data import batch as batch_lib
 from dspark_jax.data.pipeline import to_global
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.engram import prepare as engram_prepare
-from dspark_jax.kernels.block_attention import block_attention
 from dspark_jax.target import TargetConfig
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
 from dspark_jax.train import components
@@ -120,37 +116,6 @@ def time_step(
     }
 
 
-def attention_comparison(b=1, n=128, s=7, t=1024, q=8, g=2, d=64, repeats=3) -> dict[str, dict[str, float]]:
-    """Block attention timing; sizes in the letters of the legend (`q` query heads, `g` KV heads)."""
-    keys = jax.random.split(jax.random.key(0), 5)
-    args = [
-        jax.random.normal(keys[0], (b, n, s, q, d)),
-        jax.random.normal(keys[1], (b, t, g, d)),
-        jax.random.normal(keys[2], (b, t, g, d)),
-        jax.random.normal(keys[3], (b, n, s, g, d)),
-        jax.random.normal(keys[4], (b, n, s, g, d)),
-        jnp.sort(jax.random.randint(keys[0], (b, n), 0, t), 1),
-    ]
-    results = {}
-    for impl in ("xla", "reference"):
-        fn = jax.jit(
-            jax.grad(
-                lambda *a, impl=impl: jnp.sum(block_attention(*a, implementation=impl) ** 2),
-                argnums=(0, 1, 2, 3, 4),
-            )
-        )
-        compiled = fn.lower(*args).compile()
-        jax.block_until_ready(compiled(*args))
-        begin = time.perf_counter()
-        for _ in range(repeats):
-            jax.block_until_ready(compiled(*args))
-        results[impl] = {
-            "seconds": (time.perf_counter() - begin) / repeats,
-            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-        }
-    return results
-
-
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -174,14 +139,6 @@ def main():
             first = first or step_s
             name = config_module.get_config(preset).experiment
             print(f"{preset:8s} {name:20s} {step_s:10.3f} {tok_s:10.0f} {smp_s:10.2f} {step_s / first:9.2f}x")
-    att = attention_comparison()
-    x, ref = att["xla"], att["reference"]
-    print("block attention fwd+bwd, B=1 N=128 S=7 T=1024 Q=8 G=2 D=64:")
-    print(f"{'impl':10s} {'seconds':>10s} {'temp MB':>10s}")
-    for impl, r in att.items():
-        print(f"{impl:10s} {r['seconds']:10.4f} {r['temp_bytes'] / 1e6:10.1f}")
-    time_ratio, memory_ratio = x["seconds"] / ref["seconds"], x["temp_bytes"] / ref["temp_bytes"]
-    print(f"xla/dense: time {time_ratio:.2f}x, temp memory {memory_ratio:.2f}x")
 
 
 if __name__ == "__main__":

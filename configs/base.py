@@ -60,7 +60,8 @@ Keys:
   draft.mask_token_id       target embedding row used as MASK; -1 = a learned vector.
   draft.param_dtype         master weights dtype ('float32').
   draft.dtype               compute dtype ('bfloat16' on accelerators, 'float32' on CPU).
-  draft.attention           block attention implementation ('xla' or 'reference').
+  draft.attention           block attention: 'xla' (chunked), 'pallas' (TPU kernel; XLA elsewhere, logged),
+                            'auto' (Pallas where it compiles) or 'reference' (dense, tests).
   draft.anchor_chunk        blocks per chunk in block attention and in the vocabulary-sized loss.
   draft.remat               recompute each chunk in the backward pass (memory-bounded) instead of keeping
                             its activations (one forward less; the CPU presets' choice).

@@ -15,6 +15,8 @@ from typing import Any
 
 from ml_collections import config_dict
 
+from dspark_jax.kernels.block_attention import IMPLEMENTATIONS
+
 log = logging.getLogger(__name__)
 
 
@@ -110,8 +112,8 @@ def validate(config) -> None:
             f"draft.num_heads={config.draft.num_heads} is not a multiple of "
             f"draft.num_kv_heads={config.draft.num_kv_heads}"
         )
-    if config.draft.attention not in ("xla", "reference"):
-        raise UsageError(f"draft.attention={config.draft.attention!r} must be 'xla' or 'reference'")
+    if config.draft.attention not in IMPLEMENTATIONS:
+        raise UsageError(f"draft.attention={config.draft.attention!r} must be one of {IMPLEMENTATIONS}")
     if "engram" in config:
         from dspark_jax.engram import prepare
 

@@ -38,7 +38,8 @@ class DraftConfig:
     Attributes:
       num_aux: number of target layers in the context features (A).
       mask_token_id: a spare target embedding row used as MASK; None (or -1) = a learned vector.
-      attention: block attention implementation ('xla' or 'reference').
+      attention: block attention implementation ('auto', 'pallas', 'xla' or 'reference'; see
+        `dspark_jax.kernels.block_attention`).
       anchor_chunk: blocks per chunk of the XLA block attention and of the vocabulary-sized objective.
       remat: recompute each chunk's activations in the backward pass instead of storing them.
       param_dtype, dtype: master-weight and compute dtypes.

@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -82,6 +83,21 @@ def abstract_device_batch(rows: int, dims: Dims) -> dict[str, jax.ShapeDtypeStru
     """`ShapeDtypeStruct`s of the device fields, for ahead-of-time compilation."""
     all_shapes = shapes(rows, dims)
     return {f.name: jax.ShapeDtypeStruct(all_shapes[f.name], f.dtype) for f in FIELDS if f.device}
+
+
+COUNTED_FIELDS = ("seq_len", "num_samples", "block_keep")
+
+
+def batch_counts(batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """int32 totals of the `COUNTED_FIELDS` of a batch: `tokens` (kept tokens), `samples`, `anchors` (real
+    blocks) and `rows`. On global arrays (`pipeline.to_global`) they count the rows of every process."""
+    i32 = jnp.int32
+    return {
+        "tokens": jnp.sum(batch["seq_len"], dtype=i32),
+        "samples": jnp.sum(batch["num_samples"], dtype=i32),
+        "anchors": jnp.sum(batch["block_keep"], dtype=i32),
+        "rows": jnp.asarray(batch["seq_len"].shape[0], i32),
+    }
 
 
 def device_fields(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -10,7 +10,9 @@ commands to run next); `--json` prints the last metrics instead. Library logs go
 missing. The work directory holds orbax checkpoints, TensorBoard events and `metrics.jsonl`;
 rerunning with the same work directory resumes (a different training setting is refused unless
 named in `--allow_changed`). SIGTERM saves a checkpoint and exits with status 75. On a
-multi-host TPU slice or Slurm allocation `jax.distributed.initialize()` runs first (see launch/).
+multi-host TPU slice or Slurm allocation `jax.distributed.initialize()` runs first (see launch/); locally,
+`JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=i` runs one process per `i`
+(CPU collectives through gloo).
 """
 
 from __future__ import annotations
@@ -53,6 +55,21 @@ def _multi_host() -> bool:
     return "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
+def initialize_distributed() -> None:
+    """`jax.distributed.initialize`, explicit when `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` are set (local
+    multi-process runs, e.g. two CPU processes on one machine), else detected (Slurm, TPU VM). CPU
+    processes exchange collectives through gloo."""
+    if "JAX_NUM_PROCESSES" not in os.environ or "JAX_PROCESS_ID" not in os.environ:
+        jax.distributed.initialize()
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # read by the CPU client only
+    jax.distributed.initialize(
+        coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+        num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+        process_id=int(os.environ["JAX_PROCESS_ID"]),
+    )
+
+
 def human_summary(summary: dict, config_name: str) -> str:
     """What the run wrote, how it ended, how long each stage took, and what to run next."""
     seconds = summary["seconds"]
@@ -83,7 +100,7 @@ def human_summary(summary: dict, config_name: str) -> str:
 def main(argv):
     del argv
     if _multi_host():
-        jax.distributed.initialize()
+        initialize_distributed()
     config = config_value(_CONFIG)
     workdir = _WORKDIR.value or str(REPO_ROOT / "workdirs" / f"{config.experiment}-{config.preset}")
     check_workdir(epath.Path(workdir), config, _ALLOW_CHANGED.value)  # before anything is written there

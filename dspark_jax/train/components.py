@@ -282,9 +282,17 @@ def make_training_optimizer(config, params=None) -> tuple[optax.Schedule, optax.
     )
 
 
-def abstract_state(state):
-    """`ShapeDtypeStruct`s (with shardings) shaped like `state`, for orbax restores."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+def abstract_state(state, mesh: Mesh):
+    """`ShapeDtypeStruct`s (with shardings) shaped like `state`, for orbax restores. A leaf not laid out on
+    `mesh` (the optimizer's step count, placed on one device by `optimizer.init`) is restored replicated
+    over the mesh: on one device it would belong to one process only, and a multi-process step refuses it."""
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def one(x):
+        sharding = x.sharding if isinstance(x.sharding, NamedSharding) else replicated
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(one, state)
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[epath.Path, int | None]:

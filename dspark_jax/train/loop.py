@@ -23,7 +23,7 @@ import numpy as np
 from etils import epath
 
 from dspark_jax import config_lib, experiments, sharding
-from dspark_jax.data.batch import device_fields
+from dspark_jax.data.batch import COUNTED_FIELDS, batch_counts, device_fields
 from dspark_jax.data.pipeline import make_iterator, to_global
 from dspark_jax.train import components, evaluation
 from dspark_jax.train import step as step_lib
@@ -168,7 +168,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     # ---- Checkpoint restore -------------------------------------------------------------------
     state = {"params": params, "opt_state": opt_state}
     if start:
-        state, _ = checkpointer.restore(start, components.abstract_state(state), data_iter=train_iter)
+        state, _ = checkpointer.restore(start, components.abstract_state(state, mesh), data_iter=train_iter)
         log.info("resumed from step %d", start)
     writer = MetricWriter(workdir, resume_step=offset + start)
     progress = ProgressLogger(t.stop_step, start)
@@ -182,16 +182,23 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
         donate_argnums=(0, 1),
     )
     train_metrics = jax.jit(experiment.metrics)
+    count = jax.jit(batch_counts)
     eval_sums = evaluation.make_eval_sums(graphdef, experiment)
 
     # ---- Loop ---------------------------------------------------------------------------------
     last: dict[str, float] = {}
-    pending = None  # (step, device metrics, host stats) of the step before the current one
+    pending = None  # (step, device metrics, batch counts, host stats) of the step before the current one
 
     def finish(record):
         """Fetches a dispatched step's metrics, checks them and logs them."""
         nonlocal last
-        step, device_metrics, host = record
+        step, device_metrics, counts, host = record
+        counts = {k: int(v) for k, v in jax.device_get(counts).items()}
+        host = host | {
+            "train/tokens_per_second": counts["tokens"] / host["train/step_seconds"],
+            "train/anchors_per_row": counts["anchors"] / counts["rows"],
+            "train/samples_per_step": float(counts["samples"]),
+        }
         metrics = _scalars(device_metrics, "train") | host
         if not math.isfinite(metrics["train/loss"]) or not math.isfinite(metrics["train/grad_norm"]):
             raise NonFiniteLossError(
@@ -215,6 +222,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
             for micro_batch in split_micro_batches(batch, t.grad_accum):
                 g, s = micro_step(state["params"], rest, side.frozen, to_global(micro_batch, mesh, rules))
                 grads, sums = (g, s) if grads is None else (accumulate(grads, g), accumulate(sums, s))
+            counts = count(to_global({k: batch[k] for k in COUNTED_FIELDS}, mesh, rules))
             params, opt_state, grad_norm = apply_step(state["params"], state["opt_state"], grads, sums)
             state = {"params": params, "opt_state": opt_state}
             device_metrics = train_metrics(sums) | {
@@ -223,16 +231,11 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
             }
             if pending is not None:
                 finish(pending)
-            tokens = int(batch["seq_len"].sum()) * jax.process_count()
-            seconds = time.perf_counter() - began
             host = {
-                "train/step_seconds": seconds,
-                "train/tokens_per_second": tokens / seconds,
-                "train/anchors_per_row": float(batch["block_keep"].sum(axis=1).mean()),
-                "train/samples_per_step": float(batch["num_samples"].sum()) * jax.process_count(),
+                "train/step_seconds": time.perf_counter() - began,
                 "train/wall_minutes": (time.perf_counter() - called) / 60,
             }
-            pending = (step, device_metrics, host)
+            pending = (step, device_metrics, counts, host)
             if step == start + 1:
                 jax.block_until_ready(grad_norm)
                 stages["first_step"] = time.perf_counter() - began

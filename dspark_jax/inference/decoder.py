@@ -167,6 +167,7 @@ class SpeculativeDecoder(BatchedDecoding):
         self.temperatures = dict(temperatures or {})
         self.verify_buckets = scheduler.check_buckets(verify_buckets, self.block_size)
         self.sps_table: scheduler.SpsTable | None = None  # profiled on the first confidence-scheduled batch
+        self._sps_N = None  # (table, its dense device array)
         self.report = SpecReport()
 
     def target_only(self) -> Generator:
@@ -253,5 +254,7 @@ class SpeculativeDecoder(BatchedDecoding):
                 buckets=self.verify_buckets,
                 aux_layer_ids=self.aux_layer_ids,
             )
-        dense = self.sps_table.dense(self.batch_size * (self.block_size + 1))
-        return jax.device_put(dense, NamedSharding(self.mesh, PartitionSpec()))
+        if self._sps_N is None or self._sps_N[0] is not self.sps_table:  # placed once per table
+            dense = self.sps_table.dense(self.batch_size * (self.block_size + 1))
+            self._sps_N = (self.sps_table, jax.device_put(dense, NamedSharding(self.mesh, PartitionSpec())))
+        return self._sps_N[1]

@@ -284,13 +284,15 @@ def confidence(proposals: Proposals, settings: SpecSettings) -> jax.Array:
     return jax.nn.sigmoid(logits_BxS)
 
 
-def verify_lengths(proposals: Proposals, state: SpecState, settings: SpecSettings, sps_N) -> jax.Array:
-    """Proposals each row verifies this cycle: all `S` (fixed schedule) or the prefix scheduler's choice."""
-    b, s = proposals.drafts_BxS.shape
+def verify_lengths(
+    confidence_BxS: jax.Array, active_B: jax.Array, settings: SpecSettings, sps_N
+) -> jax.Array:
+    """Proposals each row verifies this cycle: all `S` (fixed schedule) or the prefix scheduler's choice
+    from the calibrated confidences."""
+    b, s = confidence_BxS.shape
     if settings.verify_buckets is None:
         return jnp.full((b,), s, jnp.int32)
-    survival_BxS = jnp.cumprod(confidence(proposals, settings), axis=1)
-    return scheduler.schedule_lengths(survival_BxS, ~state.done_B, sps_N)
+    return scheduler.schedule_lengths(jnp.cumprod(confidence_BxS, axis=1), active_B, sps_N)
 
 
 def _verify_forward(target: Transformer, tokens_BxS1, cache: KVCache, settings: SpecSettings, width: int):
@@ -318,7 +320,8 @@ def verify_and_accept(
     p_B = state.target_cache.end_B
     active_B = ~state.done_B
     s = drafts_BxS.shape[1]
-    lengths_B = verify_lengths(proposals, state, settings, sps_N)
+    confidence_BxS = confidence(proposals, settings)
+    lengths_B = verify_lengths(confidence_BxS, active_B, settings, sps_N)
     tokens_BxS1 = jnp.concatenate([state.pending_B[:, None], drafts_BxS], 1)
     forward = functools.partial(_verify_forward, target, tokens_BxS1, state.target_cache, settings)
     if settings.verify_buckets is None:
@@ -352,7 +355,6 @@ def verify_and_accept(
     draft_k, draft_v = append_context(draft, state.draft_k, state.draft_v, aux_BxS1xAxH, p_B)
     verified_BxS = jnp.arange(s) < lengths_B[:, None]
     reached_BxS = active_B[:, None] & (jnp.arange(s) <= m_B[:, None]) & verified_BxS
-    confidence_BxS = confidence(proposals, settings)
     stats = {
         "cycles_B": state.stats["cycles_B"] + active_B,
         "accepted_len_B": state.stats["accepted_len_B"] + jnp.where(active_B, m_B + 1, 0),

@@ -36,7 +36,7 @@ def _config(cache_dir, **train):
     return config
 
 
-def _metrics(workdir):
+def logged_metrics(workdir):
     lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in line.items() if k not in TIMING} for line in lines]
 
@@ -49,18 +49,23 @@ def _params(workdir, step):
 SETTINGS = dict(total_steps=8, stop_step=8, checkpoint_every=2, eval_every=4, log_every=1)
 
 
-def _start_subprocess(cache_dir, workdir):
-    overrides = [f"--config.train.{k}={v}" for k, v in SETTINGS.items()]
-    cmd = [
+def train_command(workdir, cache_dir, settings, *extra) -> list[str]:
+    """`python -m dspark_jax.train` of the smoke preset with `settings` as `--config.train.*` overrides."""
+    overrides = [f"--config.train.{k}={v}" for k, v in settings.items()]
+    return [
         sys.executable,
         "-m",
         "dspark_jax.train",
         f"--config={ROOT}/configs/baseline.py:smoke",
         f"--workdir={workdir}",
         f"--config.data.cache_dir={cache_dir}",
-        "--config.mesh.fsdp=1",
+        *extra,
         *overrides,
     ]
+
+
+def _start_subprocess(cache_dir, workdir):
+    cmd = train_command(workdir, cache_dir, SETTINGS, "--config.mesh.fsdp=1")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -82,8 +87,8 @@ def test_killed_run_resumes_to_the_uninterrupted_result(cache_dir, tmp_path):
     proc.wait()
     assert not (killed / "checkpoints" / "8").exists(), "the run finished before it could be killed"
     train(_config(cache_dir, **SETTINGS), killed)
-    assert _metrics(killed) == _metrics(full)
-    assert [m["step"] for m in _metrics(full) if "train/loss" in m] == list(range(1, 9))
+    assert logged_metrics(killed) == logged_metrics(full)
+    assert [m["step"] for m in logged_metrics(full) if "train/loss" in m] == list(range(1, 9))
     a, b = ocp.tree.to_flat_dict(_params(full, 8)), ocp.tree.to_flat_dict(_params(killed, 8))
     assert a.keys() == b.keys()
     for key in a:
@@ -99,7 +104,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(cache_dir, tmp_path):
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert proc.returncode == 75, stderr[-3000:]  # not 0: the run did not finish
     assert f"preempted at step {steps[-1]}: checkpoint saved" in stderr
-    logged = [m["step"] for m in _metrics(tmp_path) if "train/loss" in m]
+    logged = [m["step"] for m in logged_metrics(tmp_path) if "train/loss" in m]
     assert steps[-1] == logged[-1] >= 2  # the step it stopped at is saved, nothing later was logged
 
 
@@ -127,7 +132,7 @@ def test_resume_with_other_training_settings_is_refused(cache_dir, tmp_path):
         train(_config(cache_dir, stop_step=4, total_steps=4, eval_every=0, peak_lr=1e-3), tmp_path)
     with pytest.raises(config_lib.UsageError, match=r"train\.total_steps"):
         train(_config(cache_dir, stop_step=4, total_steps=8, eval_every=0), tmp_path)
-    trained = lambda: [m["step"] for m in _metrics(tmp_path) if "train/loss" in m]
+    trained = lambda: [m["step"] for m in logged_metrics(tmp_path) if "train/loss" in m]
     assert trained() == [1, 2]  # nothing ran
     # stop_step may change; another key only when named explicitly.
     train(_config(cache_dir, stop_step=3, total_steps=4, eval_every=0), tmp_path)
@@ -157,7 +162,7 @@ def test_a_kill_right_after_a_save_keeps_that_steps_eval(cache_dir, tmp_path, mo
         train(_config(cache_dir, **settings), tmp_path)
     monkeypatch.setattr(Checkpointer, "save", original)
     train(_config(cache_dir, **settings), tmp_path)
-    evals = [m["step"] for m in _metrics(tmp_path) if "eval/tau_prob" in m]
+    evals = [m["step"] for m in logged_metrics(tmp_path) if "eval/tau_prob" in m]
     assert evals == [2, 4]
 
 

@@ -5,23 +5,18 @@ the same losses and ends with the same parameters, bitwise; a run whose processe
 to that result; SIGTERM to one process makes both save one step and stop.
 """
 
-import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TIMING = ("train/step_seconds", "train/tokens_per_second", "train/wall_minutes", "eval/wall_minutes")
-SETTINGS = dict(total_steps=8, stop_step=8, checkpoint_every=2, eval_every=4, log_every=1)
+from tests.train.test_loop import ROOT, SETTINGS, logged_metrics, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +29,7 @@ def _free_port() -> int:
 
 def _launch(workdir, cache_dir, processes, devices_per_process, **settings):
     """`python -m dspark_jax.train` in `processes` processes (one coordinator on localhost)."""
-    overrides = [f"--config.train.{k}={v}" for k, v in {**SETTINGS, **settings}.items()]
-    cmd = [
-        sys.executable,
-        "-m",
-        "dspark_jax.train",
-        f"--config={ROOT}/configs/baseline.py:smoke",
-        f"--workdir={workdir}",
-        f"--config.data.cache_dir={cache_dir}",
-        *overrides,
-    ]
+    cmd = train_command(workdir, cache_dir, {**SETTINGS, **settings})
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"}
     if processes > 1:
         env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": str(processes)}
@@ -66,11 +52,6 @@ def _finish(procs, timeout=600):
         assert code == 0, stderr[-3000:]
 
 
-def _metrics(workdir):
-    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if k not in TIMING} for line in lines]
-
-
 def _params(workdir, step):
     """The saved parameters, restored onto one device whatever the processes that saved them."""
     checkpointer, path = ocp.StandardCheckpointer(), workdir / "checkpoints" / str(step) / "state"
@@ -81,7 +62,7 @@ def _params(workdir, step):
 
 
 def _assert_same_run(a, b):
-    assert _metrics(a) == _metrics(b)
+    assert logged_metrics(a) == logged_metrics(b)
     pa, pb = _params(a, 8), _params(b, 8)
     assert pa.keys() == pb.keys()
     for key in pa:
@@ -101,7 +82,7 @@ def test_two_processes_equal_one_and_resume_bitwise_after_a_kill(reference):
     two = reference / "two"
     _finish(_launch(two, caches, 2, 1))
     _assert_same_run(reference / "one", two)
-    assert [m["step"] for m in _metrics(two) if "train/loss" in m] == list(range(1, 9))
+    assert [m["step"] for m in logged_metrics(two) if "train/loss" in m] == list(range(1, 9))
     assert len(list((two / "tensorboard").iterdir())) == 1  # process 0 alone writes events
 
     killed = reference / "killed"
@@ -137,7 +118,7 @@ def test_sigterm_to_one_process_stops_both_at_one_saved_step(reference):
     for code, stderr in outcomes:
         assert code == 75, stderr[-3000:]
         assert f"preempted at step {saved[0]}: checkpoint saved" in stderr
-    assert [m["step"] for m in _metrics(workdir)][-1] == saved[0]
+    assert [m["step"] for m in logged_metrics(workdir)][-1] == saved[0]
 
 
 def _lines(path):

@@ -44,3 +44,47 @@ def reliability_diagrams(
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def lines(
+    path: str | os.PathLike,
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> None:
+    """One line per name over `(xs, ys)`, on one axis."""
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", ms=3, label=name)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def grouped_bars(
+    path: str | os.PathLike,
+    bars: Mapping[str, Mapping[str, float]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+) -> None:
+    """Bars of every name side by side at each category (`bars[name][category]`, categories in first-seen
+    order)."""
+    categories = list(dict.fromkeys(c for values in bars.values() for c in values))
+    width = 0.8 / max(len(bars), 1)
+    fig, ax = plt.subplots(figsize=(7.0, 4.2))
+    for k, (name, values) in enumerate(bars.items()):
+        xs = [i + (k - (len(bars) - 1) / 2) * width for i in range(len(categories))]
+        ax.bar(xs, [values.get(c, 0.0) for c in categories], width=width, label=name)
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

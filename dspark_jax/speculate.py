@@ -39,10 +39,9 @@ from dspark_jax.cli import (
 )
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.draft.memory import MEMORY_SOURCES
+from dspark_jax.inference import measure
 from dspark_jax.inference.decoder import SCHEDULES
-from dspark_jax.inference.timing import time_cycle_phases
 from dspark_jax.target import target_from_config
-from dspark_jax.target.generate import generate_replies
 from dspark_jax.train import components
 from dspark_jax.train.evaluation import evaluate_checkpoint
 
@@ -96,70 +95,31 @@ def main(argv):
         with config.unlocked():
             config.draft.memory_source = _MEMORY_SOURCE.value
     sampling, seed, max_new = _SAMPLING.resolve(config)
-    mesh = sharding.make_mesh(config.mesh.to_dict())
-    temperatures = None
-    if _SCHEDULE.value == "confidence":  # before the target loads: a missing calibration fails fast
-        step = components.checkpoint_step(_CHECKPOINT.value)
-        temperatures = components.load_calibration(_CHECKPOINT.value, step, config.draft.block_size)
-    target = target_from_config(config.target, seed=config.seed, mesh=mesh)
-    draft = components.restore_draft(config, target.config, mesh, _CHECKPOINT.value)
-    step = draft[3]
-    conversations = read_turns_jsonl(_INPUT.value)[: _LIMIT.value or None]
-    decoder = components.speculative_decoder(
-        config,
-        target,
-        draft[:3],
-        batch_size=_CONCURRENCY.value,
-        mesh=mesh,
+    settings = measure.DecodeSettings(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=seed,
+        max_new_tokens=max_new,
+        concurrency=_CONCURRENCY.value,
         select_top_k=_SELECT_TOP_K.value,
         schedule=_SCHEDULE.value,
-        temperatures=temperatures,
     )
-    reply_kw = dict(max_new_tokens=max_new, params=sampling, seed=seed)
-    spec = generate_replies(decoder, target.tokenizer, target.chat_template, conversations, **reply_kw)
-    baseline = decoder.target_only()
-    plain = generate_replies(baseline, target.tokenizer, target.chat_template, conversations, **reply_kw)
-    first_prompts = [r[1][0] for r in plain]
-    phases = time_cycle_phases(
-        decoder, [ids for ids in first_prompts if ids] or [[0]], max_new_tokens=32, params=sampling
+    mesh = sharding.make_mesh(config.mesh.to_dict())
+    if settings.schedule == "confidence":  # before the target loads: a missing calibration fails fast
+        components.load_calibration(
+            _CHECKPOINT.value, components.checkpoint_step(_CHECKPOINT.value), config.draft.block_size
+        )
+    target = target_from_config(config.target, seed=config.seed, mesh=mesh)
+    decoder, step = measure.speculative_decoder(config, _CHECKPOINT.value, target, mesh, settings)
+    conversations = read_turns_jsonl(_INPUT.value)[: _LIMIT.value or None]
+    result = measure.speculate(
+        decoder, step, config, target, conversations, settings, input_name=_INPUT.value
     )
-    report = decoder.report.as_dict()
-    target_only = baseline.stats.as_dict()
-    result = {
-        "checkpoint_step": step,
-        "settings": {
-            "experiment": config.experiment,
-            "seed": seed,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "concurrency": _CONCURRENCY.value,
-            "max_new_tokens": max_new,
-            "proposals_per_cycle": decoder.block_size,
-            "select_top_k": decoder.select_top_k,
-            "memory_source": config.draft.get("memory_source"),
-            "schedule": decoder.schedule,
-            "confidence_temperatures": decoder.settings(max_new, sampling).confidence_temperatures,
-            "conversations": len(conversations),
-            "input": _INPUT.value,
-        },
-        "speculative": report,
-        "cycle_phases_ms": phases,
-        "sps_table": decoder.sps_table.as_dict() if decoder.sps_table else None,
-        "target_only": target_only,
-        "speedup": report["tokens_per_second"] / max(target_only["tokens_per_second"], 1e-9),
-    }
-    if sampling.temperature == 0:
-        same = sum(s[1] == p[1] for s, p in zip(spec, plain))
-        result["identical_to_target_greedy"] = f"{same}/{len(spec)}"
     if _OFFLINE.value:
         result["offline"] = evaluate_checkpoint(config, _CHECKPOINT.value)
-    summary = json.dumps({k: v for k, v in result.items()}, indent=2)
-    print(summary)
+    print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=2))
     if _OUTPUT.value:
-        requests = [{"replies": replies, "reply_ids": ids} for replies, ids in spec]
-        epath.Path(_OUTPUT.value).write_text(
-            json.dumps({**result, "requests": requests}, ensure_ascii=False) + "\n"
-        )
+        epath.Path(_OUTPUT.value).write_text(json.dumps(result, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ data packages, `pip install -e .`), then starts on every worker, in the backgrou
   python -m dspark_jax.train TRAINER_ARGS...   (log: REMOTE_DIR/LOG_DIR/train-<hostname>.log)
 
 Example:
-  launch/tpu_pod.sh my-v5p-32 us-east5-a my-project -- --config=configs/baseline.py:paper \
-      --workdir=gs://my-bucket/dspark/baseline --config.data.cache_dir=gs://my-bucket/dspark/cache
+  launch/tpu_pod.sh my-v5p-32 us-east5-a my-project -- --config=configs/memory.py:paper \
+      --workdir=gs://my-bucket/dspark/memory --config.data.cache_dir=gs://my-bucket/dspark/cache
 
 Options:
   --dry-run     print the commands (local and gcloud) instead of running them

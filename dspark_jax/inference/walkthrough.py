@@ -1,0 +1,98 @@
+"""One speculative cycle, slot by slot, for people: what the draft proposed, what its group's sequential
+correction chose, how confident it was, and what the target accepted.
+
+Runs the decoder's own phases (prefill, the proposer's draft pass and selection, verification) once on one
+prompt, so the table shows exactly what decoding computes; the draft's uncorrected choice is the argmax of
+its base logits `l0` (before the Markov head, Engram-Markov's features or the reranker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dspark_jax.inference import engine
+from dspark_jax.inference.decoder import SpeculativeDecoder
+from dspark_jax.target.generate import GREEDY, SamplingParams
+
+
+def _probability(logits_V: np.ndarray, token: int) -> float:
+    z = logits_V - logits_V.max()
+    p = np.exp(z)
+    return float(p[token] / p.sum())
+
+
+def walk_cycle(
+    decoder: SpeculativeDecoder,
+    prompt: Sequence[int],
+    *,
+    params: SamplingParams = GREEDY,
+    seed: int = 0,
+) -> dict:
+    """The first cycle after prefilling `prompt`: `anchor` (the pending token the block starts from),
+    `accepted` (proposals the target kept), `emitted` (the tokens the cycle appended: the accepted
+    proposals and the target's own next token) and `slots`, one dict per proposal with `base` /
+    `base_prob` (the draft's own argmax), `proposal` / `proposal_prob` (the group's corrected choice and
+    its probability in the distribution it was drawn from), `confidence` (the head's sigmoid, raw) and
+    `accepted`."""
+    settings = decoder.settings(8 * (decoder.block_size + 1), params)
+    batch = next(decoder.batches([list(prompt)]))
+    max_len = decoder.max_len(batch.length, settings.max_new_tokens)
+    sps_N = decoder.sps(max_len) if settings.verify_buckets else None
+    tg, dg, proposer = decoder.target_graphdef, decoder.draft[0], decoder.proposer
+    ts, (_, dp, dr), frozen = decoder.target_state, decoder.draft, decoder.frozen
+
+    @jax.jit
+    def cycle(ts, dp, dr, frozen, tokens, lengths, real, rng):
+        target, draft = nnx.merge(tg, ts), nnx.merge(dg, dp, dr)
+        state = engine.prefill(
+            target,
+            draft,
+            tokens,
+            lengths,
+            real,
+            max_len=max_len,
+            settings=settings,
+            rng=rng,
+            proposer=proposer,
+        )
+        draft_out = proposer.draft_pass(draft, frozen, state)
+        h_BxSxH = draft_out["h"] if isinstance(draft_out, dict) else draft_out
+        proposals = proposer.select(
+            draft, frozen, draft_out, state, jax.random.fold_in(engine.cycle_rng(state), 0), settings
+        )
+        new_state, accepted_B = engine.verify_and_accept(
+            target, draft, state, proposals, settings, jax.random.fold_in(engine.cycle_rng(state), 1), sps_N
+        )
+        return state, new_state, draft.base_logits(frozen, h_BxSxH), proposals, accepted_B
+
+    rng = jax.random.key(seed)
+    state, new_state, base_BxSxV, proposals, accepted_B = jax.device_get(
+        cycle(ts, dp, dr, frozen, batch.tokens_BxP, batch.lengths_B, batch.real_B, rng)
+    )
+    accepted = int(accepted_B[0])
+    start, stop = int(state.count_B[0]), int(new_state.count_B[0])
+    base = np.asarray(base_BxSxV[0], np.float32)
+    final = np.asarray(proposals.logits_BxSxV[0], np.float32)
+    slots = []
+    for i, token in enumerate(np.asarray(proposals.drafts_BxS[0]).tolist()):
+        top = int(base[i].argmax())
+        slots.append(
+            {
+                "base": top,
+                "base_prob": _probability(base[i], top),
+                "proposal": token,
+                "proposal_prob": _probability(final[i], token),
+                "confidence": float(jax.nn.sigmoid(proposals.confidence_logit_BxS[0, i])),
+                "accepted": i < accepted,
+            }
+        )
+    return {
+        "anchor": int(state.pending_B[0]),
+        "accepted": accepted,
+        "emitted": np.asarray(new_state.out_BxO[0, start:stop]).tolist(),
+        "slots": slots,
+    }

@@ -1,0 +1,136 @@
+"""What a suite runs: its groups (config files, who starts from whom) and the inference protocol per preset.
+
+The `seed` suite is the seed's seven groups at one step budget on one shared cache. Every group trains the
+preset's `train.stop_step` steps; the frozen reranker trains that many new steps on top of the baseline's
+final checkpoint (its metrics are on the cumulative step axis).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import sys
+from collections.abc import Sequence
+
+from dspark_jax import config_lib
+from dspark_jax.cli import REPO_ROOT, with_absolute_paths
+from dspark_jax.config_lib import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One row of the suite: a display name, its config module (`configs/<module>.py`) and the group whose
+    final checkpoint it starts from (None = from scratch)."""
+
+    name: str
+    label: str
+    module: str
+    starts_from: str | None = None
+
+
+SUITES: dict[str, tuple[Group, ...]] = {
+    "seed": (
+        Group("baseline", "Baseline", "baseline"),
+        Group("engram_markov", "Engram-Markov", "engram_markov"),
+        Group("engram_mask_gated", "Engram-MASK gated", "engram_mask_gated"),
+        Group("engram_mask_replace", "Engram-MASK replace", "engram_mask_replace"),
+        Group("memory", "Draft Memory", "memory"),
+        Group("reranker_joint", "Prefix reranker joint", "reranker_joint"),
+        Group("reranker_frozen", "Prefix reranker frozen", "reranker_frozen", starts_from="baseline"),
+    ),
+}
+
+
+ALL_SETTINGS = ((0.0, "fixed"), (0.0, "confidence"), (1.0, "fixed"), (1.0, "confidence"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """Speculative decoding with real target verification, the same for every group: the first `limit`
+    prompts of the packaged GSM8K-256 (0 = all), `max_new_tokens` per reply, `concurrency` requests per
+    program, at each `(temperature, schedule)` of `settings`; `time_phases` adds the cycle's latency split
+    (draft / select / verify, each phase compiled and timed apart)."""
+
+    limit: int
+    max_new_tokens: int
+    concurrency: int = 1
+    settings: tuple[tuple[float, str], ...] = ALL_SETTINGS
+    time_phases: bool = True
+
+
+PROTOCOLS = {
+    # Both temperatures and both schedules, in two runs per group instead of four; no latency split.
+    "smoke": Protocol(
+        limit=2, max_new_tokens=8, settings=((0.0, "fixed"), (1.0, "confidence")), time_phases=False
+    ),
+    "demo": Protocol(limit=16, max_new_tokens=96),
+    "accel": Protocol(limit=64, max_new_tokens=256, concurrency=8),
+    "paper": Protocol(limit=0, max_new_tokens=256, concurrency=8),
+}
+
+
+def groups(suite: str, names: Sequence[str] = ()) -> tuple[Group, ...]:
+    """The suite's groups, or the named subset with every group they start from (in suite order)."""
+    if suite not in SUITES:
+        raise UsageError(f"--suite={suite!r} is not a suite; choose one of {sorted(SUITES)}")
+    members = {g.name: g for g in SUITES[suite]}
+    unknown = [n for n in names if n not in members]
+    if unknown:
+        raise UsageError(f"--groups: {unknown[0]!r} is not in suite {suite!r}; choose from {list(members)}")
+    wanted = set(names or members)
+    for name in list(wanted):
+        while members[name].starts_from:
+            name = members[name].starts_from
+            wanted.add(name)
+    return tuple(g for g in SUITES[suite] if g.name in wanted)
+
+
+def _value(text: str, current):
+    """`text` parsed as the type of the config's current value (strings stay strings)."""
+    if isinstance(current, str):
+        return text
+    if isinstance(current, bool):
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"expected true or false, got {text!r}")
+        return text.lower() == "true"
+    value = ast.literal_eval(text)
+    return float(value) if isinstance(current, float) else value
+
+
+def group_config(group: Group, preset: str, overrides: Sequence[str] = ()):
+    """`configs/<module>.py:<preset>` with `KEY=VALUE` overrides applied (paths made absolute), validated."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    config = importlib.import_module(f"configs.{group.module}").get_config(preset)
+    with config.unlocked():
+        for item in overrides:
+            key, _, text = item.partition("=")
+            section, _, name = key.rpartition(".")
+            node = config
+            try:
+                for part in filter(None, section.split(".")):
+                    node = node[part]
+                current = node[name]
+            except (KeyError, AttributeError):
+                continue  # a key of another group's config (e.g. engram.* for the baseline)
+            try:
+                node[name] = _value(text, current)
+            except (ValueError, SyntaxError, TypeError) as e:
+                raise UsageError(f"--override {item!r}: {e}") from None
+    config = with_absolute_paths(config)
+    config_lib.validate(config)
+    return config
+
+
+def check_overrides(suite_groups: Sequence[Group], preset: str, overrides: Sequence[str]) -> None:
+    """Every override names a key of at least one group's config, and is KEY=VALUE."""
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--override {item!r}: expected KEY=VALUE (e.g. data.cache_dir=/tmp/caches)")
+    configs = [group_config(g, preset) for g in suite_groups]
+    for item in overrides:
+        key = item.partition("=")[0]
+        if not any(key in config_lib.flatten(c.to_dict()) for c in configs):
+            raise UsageError(f"--override {item!r}: {key} is not a key of any group's config")

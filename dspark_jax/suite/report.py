@@ -1,0 +1,327 @@
+"""The suite's report: the seed's results table, the protocol, and plots, from the files the suite wrote.
+
+`write_report(root, out)` copies every file a number comes from into `out/data/` (each group's
+`metrics.jsonl`, `summary.json`, STS calibration and speculative reports, the shared target-only reports,
+`suite.json` and `params.json`), then writes `out/report.md` and the PNGs from those copies alone, so the
+report can be rebuilt and checked from what is committed beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from collections.abc import Mapping
+
+from etils import epath
+
+from dspark_jax import plots
+from dspark_jax.suite import plan
+from dspark_jax.suite.runner import PARAMS_FILE, SPECULATE_DIR, SUITE_FILE, TARGET_ONLY_DIR, setting_name
+from dspark_jax.train import components
+from dspark_jax.train.loop import SUMMARY_FILE
+from dspark_jax.train.metrics_writer import METRICS_FILE, MetricWriter
+
+REPORT_FILE = "report.md"
+DATA_DIR = "data"
+PLOTS = ("tau_prob.png", "accept_rate.png", "accepted_length.png")
+RERANK_METRICS = (
+    ("rerank_tau_gain", "rerank tau gain"),
+    ("rerank_target_agreement_gain", "agreement gain"),
+    ("reranker/candidate_recall", "candidate recall"),
+    ("rerank_teacher_forced_prefix_gain", "prefix gain"),
+)
+# Inference scalars mirrored to TensorBoard (`<root>/<group>/inference/`), one step per run.
+INFERENCE_SCALARS = ("mal_pooled", "mal_per_request", "tokens_per_second", "loop_ms_per_cycle")
+
+
+def _copy(src: epath.Path, dst: epath.Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+
+
+def collect(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
+    """Copies the suite's source files under `out/data`; returns that directory."""
+    root, data = epath.Path(root), epath.Path(out) / DATA_DIR
+    record = json.loads((root / SUITE_FILE).read_text())
+    for name in (SUITE_FILE, PARAMS_FILE):
+        _copy(root / name, data / name)
+    if (root / TARGET_ONLY_DIR).exists():
+        for path in (root / TARGET_ONLY_DIR).glob("*.json"):
+            _copy(path, data / TARGET_ONLY_DIR / path.name)
+    for name in record["groups"]:
+        workdir = root / name
+        for file in (METRICS_FILE, SUMMARY_FILE):
+            _copy(workdir / file, data / name / file)
+        sts = components.calibration_file(workdir, components.checkpoint_step(workdir))
+        if sts.exists():
+            _copy(sts, data / name / "sts.json")
+            _copy(sts.parent / "reliability_greedy.png", epath.Path(out) / f"calibration_{name}.png")
+        for path in (workdir / SPECULATE_DIR).glob("*.json"):
+            _copy(path, data / name / SPECULATE_DIR / path.name)
+    return data
+
+
+class _Group:
+    """What the report reads of one group, from the copied files."""
+
+    def __init__(self, data: epath.Path, name: str):
+        self.name = name
+        self.lines = [json.loads(x) for x in (data / name / METRICS_FILE).read_text().splitlines()]
+        self.summary = json.loads((data / name / SUMMARY_FILE).read_text())
+        self.evals = [x for x in self.lines if x.get("eval/tau_prob") is not None]
+        self.final = self.evals[-1] if self.evals else {}
+        self.step_seconds = [x["train/step_seconds"] for x in self.lines if x.get("train/step_seconds")]
+        self.spec = {
+            path.stem: json.loads(path.read_text()) for path in (data / name / SPECULATE_DIR).glob("*.json")
+        }
+        sts = data / name / "sts.json"
+        self.sts = json.loads(sts.read_text()) if sts.exists() else None
+
+    def speculative(self, temperature: float, schedule: str | None = None) -> dict | None:
+        """The run at `temperature` with `schedule`; None = the fixed schedule's, else the confidence's."""
+        names = [setting_name(temperature, x) for x in ((schedule,) if schedule else ("fixed", "confidence"))]
+        return next((self.spec[name] for name in names if name in self.spec), None)
+
+
+def _num(value, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _signed(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:+.{digits}f}"
+
+
+def _label(name: str) -> str:
+    return next((g.label for suite in plan.SUITES.values() for g in suite if g.name == name), name)
+
+
+def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int) -> list[str]:
+    rates = [f"acc@{i}" for i in range(block)]
+    head = [
+        "group",
+        "step",
+        "tau_prob",
+        *rates,
+        "MAL T=0",
+        "MAL T=1",
+        "tok/s T=0 (speedup)",
+        "s/step",
+        "params added",
+        *(title for _, title in RERANK_METRICS),
+    ]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for g in groups:
+        f = g.final
+        greedy, sampled = g.speculative(0.0), g.speculative(1.0)
+        mal = lambda r: _num(r["speculative"]["mal_pooled"]) if r else "-"
+        speed = (
+            f"{greedy['speculative']['tokens_per_second']:.1f} ({greedy['speedup']:.2f}x)" if greedy else "-"
+        )
+        added = params.get(g.name, {}).get("added")
+        cells = [
+            _label(g.name),
+            str(f.get("step", "-")),
+            _num(f.get("eval/tau_prob"), 4),
+            *(_num(f.get(f"eval/accept_rate_{i}")) for i in range(block)),
+            mal(greedy),
+            mal(sampled),
+            speed,
+            _num(statistics.median(g.step_seconds) if g.step_seconds else None, 2),
+            "-" if added is None else f"{added:+,}",
+            *(_signed(f.get(f"eval/{key}")) for key, _ in RERANK_METRICS),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def _decoding_row(g: _Group, t: float, schedule: str, r: dict) -> list[str]:
+    s, ph = r["speculative"], r["cycle_phases_ms"]
+    verified = s.get("mean_verified_length")
+    split = "{cycle_ms:.1f} ({draft_ms:.1f} / {select_ms:.1f} / {verify_ms:.1f})".format(**ph) if ph else "-"
+    return [
+        _label(g.name),
+        setting_name(t, schedule),
+        f"{s['mal_pooled']:.3f} / {s['mal_per_request']:.3f}",
+        _num(verified, 2) if verified is not None else str(r["settings"]["proposals_per_cycle"]),
+        split,
+        f"{s['tokens_per_second']:.1f}",
+        f"{r['target_only']['tokens_per_second']:.1f}",
+        f"{r['speedup']:.2f}x",
+        r.get("identical_to_target_greedy", "-"),
+        f"`{DATA_DIR}/{g.name}/{SPECULATE_DIR}/{setting_name(t, schedule)}.json`",
+    ]
+
+
+def _decoding_table(groups: list[_Group], protocol: Mapping) -> list[str]:
+    head = [
+        "group",
+        "setting",
+        "MAL pooled / per request",
+        "verified per cycle",
+        "cycle ms (draft / select / verify)",
+        "tok/s",
+        "target-only tok/s",
+        "speedup",
+        "greedy = target",
+        "file",
+    ]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for g in groups:
+        for t, schedule in protocol["settings"]:
+            r = g.speculative(t, schedule)
+            if r is not None:
+                rows.append("| " + " | ".join(_decoding_row(g, t, schedule, r)) + " |")
+    return rows
+
+
+def _plots(out: epath.Path, groups: list[_Group]) -> None:
+    plots.lines(
+        out / "tau_prob.png",
+        {
+            _label(g.name): ([x["step"] for x in g.evals], [x["eval/tau_prob"] for x in g.evals])
+            for g in groups
+        },
+        xlabel="step (cumulative for runs started from a checkpoint)",
+        ylabel="eval tau_prob",
+        title="Validation tau_prob per group",
+    )
+    block = _block_size(groups)
+    plots.lines(
+        out / "accept_rate.png",
+        {
+            _label(g.name): (
+                list(range(block)),
+                [g.final.get(f"eval/accept_rate_{i}", 0.0) for i in range(block)],
+            )
+            for g in groups
+        },
+        xlabel="proposal position i",
+        ylabel="eval accept_rate_i",
+        title="Teacher-forced acceptance by position (final evaluation)",
+    )
+    histograms = {}
+    for g in groups:
+        r = g.speculative(0.0)
+        if r:
+            h = r["speculative"]["accepted_length_histogram"]
+            total = max(sum(h.values()), 1)
+            histograms[_label(g.name)] = {k: v / total for k, v in h.items()}
+    plots.grouped_bars(
+        out / "accepted_length.png",
+        histograms,
+        xlabel="tokens accepted per cycle (greedy; the fixed schedule where it ran)",
+        ylabel="share of cycles",
+        title="Accepted length per cycle",
+    )
+
+
+def _block_size(groups: list[_Group]) -> int:
+    return max(
+        (int(k.rsplit("_", 1)[1]) + 1 for g in groups for k in g.final if k.startswith("eval/accept_rate_")),
+        default=7,
+    )
+
+
+def _tensorboard(root: epath.Path, groups: list[_Group]) -> None:
+    """Mirrors the inference figures to TensorBoard beside each group's training scalars."""
+    for g in groups:
+        if not g.spec:
+            continue
+        step = g.final.get("step", 0)
+        values = {
+            f"inference/{setting}/{key}": r["speculative"][key]
+            for setting, r in g.spec.items()
+            for key in INFERENCE_SCALARS
+        }
+        values |= {f"inference/{setting}/speedup": r["speedup"] for setting, r in g.spec.items()}
+        with MetricWriter(root / g.name / "inference", resume_step=0) as writer:
+            writer.write(step, values)
+
+
+def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
+    """Writes `out/report.md`, its plots and `out/data/`; returns the report's path."""
+    root, out = epath.Path(root), epath.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = collect(root, out)
+    record = json.loads((data / SUITE_FILE).read_text())
+    params = json.loads((data / PARAMS_FILE).read_text())
+    groups = [_Group(data, name) for name in record["groups"]]
+    _plots(out, groups)
+    _tensorboard(root, groups)
+    block = _block_size(groups)
+    protocol, env = record["protocol"], record.get("environment", {})
+    wall = {name: sum(stages.values()) for name, stages in record["stages"].items()}
+    text = [
+        f"# Suite `{record['suite']}`, preset `{record['preset']}`",
+        "",
+        "Command: `python -m dspark_jax.experiments --suite={} --preset={}{}`".format(
+            record["suite"], record["preset"], "".join(f" --override={o}" for o in record["overrides"])
+        ),
+        "",
+        "## Results",
+        "",
+        "Offline metrics are the final evaluation on the validation cache (`data/<group>/metrics.jsonl`);"
+        " MAL and tokens/s are speculative decoding with real target verification (the fixed schedule"
+        " where it ran, else the confidence schedule)"
+        " (`data/<group>/speculate/`); s/step is the median of the logged `train/step_seconds`; params added"
+        " are draft parameters beyond the baseline's (`data/params.json`). The rerank columns are the"
+        " reranker groups' `eval/` metrics. Draft Memory's tau_prob is measured on its stage-2 anchors.",
+        "",
+        *_results_table(groups, params, block),
+        "",
+        "![tau_prob](tau_prob.png)",
+        "",
+        "![accept rate by position](accept_rate.png)",
+        "",
+        "## Speculative decoding, every setting",
+        "",
+        "`verified per cycle` is the scheduler's mean verified proposals (the fixed schedule verifies all).",
+        "",
+        *_decoding_table(groups, protocol),
+        "",
+        "![accepted length](accepted_length.png)",
+        "",
+        "## Confidence calibration",
+        "",
+        "Predicted survival against measured greedy acceptance on held-out validation blocks, before and"
+        " after STS (`data/<group>/sts.json`):",
+        "",
+        *(f"![{g.name}](calibration_{g.name}.png)" for g in groups if g.sts),
+        "",
+        "## Protocol",
+        "",
+        f"- Groups: {', '.join(_label(g.name) for g in groups)}; each trains its preset's `train.stop_step`"
+        " steps on the same caches; the frozen reranker starts from the baseline's final checkpoint and"
+        " trains as many new steps (its steps are cumulative).",
+        *(
+            f"- {_label(g.name)}: step {g.summary['step']} (+{g.summary['pretrained_steps']} pretrained),"
+            f" wall {wall.get(g.name, 0.0) / 60:.1f} min in the suite"
+            for g in groups
+        ),
+        "- Prompts: the first {} of `{}`, {} new tokens, concurrency {}; settings (temperature, schedule):"
+        " {}; cycle latency split {}.".format(
+            protocol["limit"] or "all",
+            epath.Path(protocol["input"]).name,
+            protocol["max_new_tokens"],
+            protocol["concurrency"],
+            ", ".join(f"({t:g}, {schedule})" for t, schedule in protocol["settings"]),
+            "measured" if protocol["time_phases"] else "not measured",
+        ),
+        "- Hardware: {} ({}), {} host CPUs; JAX {}, Python {}.".format(
+            env.get("backend"),
+            ", ".join(sorted(set(env.get("devices", [])))),
+            env.get("host_cpus"),
+            env.get("jax"),
+            env.get("python"),
+        ),
+        "- Commit: {}{}.".format(
+            env.get("commit"), " (with uncommitted changes)" if env.get("uncommitted_changes") else ""
+        ),
+        f"- Wall time in the suite: {sum(wall.values()) / 60:.1f} min (`data/suite.json`, per group and"
+        " stage).",
+        "",
+    ]
+    path = out / REPORT_FILE
+    path.write_text("\n".join(text))
+    return path

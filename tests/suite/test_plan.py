@@ -1,0 +1,56 @@
+"""What a suite runs: groups and their dependencies, overrides applied per group, bad input refused."""
+
+import pytest
+
+from dspark_jax.config_lib import UsageError
+from dspark_jax.suite import plan
+
+
+def test_the_seed_suite_holds_the_seven_groups_and_the_frozen_reranker_starts_from_the_baseline():
+    names = [g.name for g in plan.groups("seed")]
+    assert names == [
+        "baseline",
+        "engram_markov",
+        "engram_mask_gated",
+        "engram_mask_replace",
+        "memory",
+        "reranker_joint",
+        "reranker_frozen",
+    ]
+    assert [g.name for g in plan.groups("seed", ["reranker_frozen"])] == ["baseline", "reranker_frozen"]
+    assert [g.name for g in plan.groups("seed", ["memory"])] == ["memory"]
+
+
+def test_overrides_apply_to_every_group_that_has_the_key():
+    overrides = ["train.stop_step=3", "engram.fit_limit=2", "data.cache_dir=/tmp/c", "data.pack=true"]
+    plan.check_overrides(plan.groups("seed"), "smoke", overrides)
+    base = plan.group_config(plan.groups("seed")[0], "smoke", overrides)
+    engram = plan.group_config(plan.groups("seed")[1], "smoke", overrides)
+    assert base.train.stop_step == engram.train.stop_step == 3
+    assert base.data.cache_dir == "/tmp/c" and base.data.pack is True
+    assert engram.engram.fit_limit == 2 and "engram" not in base
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: plan.groups("nope"), "is not a suite"),
+        (lambda: plan.groups("seed", ["baseline", "nope"]), "'nope' is not in suite 'seed'"),
+        (
+            lambda: plan.check_overrides(plan.groups("seed"), "smoke", ["train.stop_step"]),
+            "expected KEY=VALUE",
+        ),
+        (
+            lambda: plan.check_overrides(plan.groups("seed"), "smoke", ["train.nope=1"]),
+            "not a key of any group",
+        ),
+        (
+            lambda: plan.group_config(plan.groups("seed")[0], "smoke", ["train.stop_step=abc"]),
+            "train.stop_step=abc",
+        ),
+        (lambda: plan.group_config(plan.groups("seed")[0], "smoke", ["data.pack=maybe"]), "true or false"),
+    ],
+)
+def test_bad_suite_input_is_one_clear_error(call, message):
+    with pytest.raises(UsageError, match=message):
+        call()

@@ -1,0 +1,68 @@
+"""The seed suite end to end on the smoke preset: seven rows, every plot, numbers traceable, resumable."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark_jax.suite import plan, report
+from dspark_jax.suite.runner import setting_name
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _suite(tmp_path, *extra):
+    cmd = [
+        sys.executable,
+        "-m",
+        "dspark_jax.experiments",
+        "--suite=seed",
+        "--preset=smoke",
+        f"--workdir={tmp_path / 'work'}",
+        f"--report_dir={tmp_path / 'report'}",
+        f"--override=data.cache_dir={tmp_path / 'caches'}",
+        "--override=mesh.fsdp=1",
+        *extra,
+    ]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
+
+
+@pytest.mark.slow
+def test_seed_suite_on_smoke_writes_the_table_and_plots_and_skips_finished_groups(tmp_path):
+    proc = _suite(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "report"
+    text = (out / report.REPORT_FILE).read_text()
+    groups = plan.SUITES["seed"]
+    results = text.split("## Results")[1].split("![tau_prob]")[0]
+    rows = [line for line in results.splitlines() if line.startswith("| ") and not line.startswith("| group")]
+    assert [row.split(" | ")[0][2:] for row in rows] == [g.label for g in groups]
+    for name in (*report.PLOTS, *(f"calibration_{g.name}.png" for g in groups)):
+        assert (out / name).stat().st_size > 1000, name
+        assert f"({name})" in text
+
+    data = out / report.DATA_DIR
+    for g, row in zip(groups, rows):
+        cells = row.split(" | ")
+        evals = [json.loads(x) for x in (data / g.name / "metrics.jsonl").read_text().splitlines()]
+        final = [x for x in evals if x.get("eval/tau_prob") is not None][-1]
+        assert cells[1] == str(final["step"]) and cells[2] == f"{final['eval/tau_prob']:.4f}"
+        spec = json.loads((data / g.name / "speculate" / f"{setting_name(0.0, 'fixed')}.json").read_text())
+        assert cells[10] == f"{spec['speculative']['mal_pooled']:.3f}"
+        assert spec["identical_to_target_greedy"] == "2/2"
+        for t in (0.0, 1.0):
+            for schedule in ("fixed", "confidence"):
+                assert (data / g.name / "speculate" / f"{setting_name(t, schedule)}.json").exists()
+    frozen = [x for x in (data / "reranker_frozen" / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads(frozen[-1])["step"] == 12  # 6 baseline steps + 6 new ones, cumulative
+    params = json.loads((data / "params.json").read_text())
+    assert params["baseline"]["added"] == 0 and params["reranker_joint"]["added"] > 0
+    assert params["reranker_frozen"]["added"] == params["reranker_joint"]["added"]
+    stages = json.loads((data / "suite.json").read_text())["stages"]
+
+    again = _suite(tmp_path)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "suite: training" not in again.stderr and again.stderr.count("trained (step") == len(groups)
+    assert json.loads((tmp_path / "work" / "suite.json").read_text())["stages"] == stages

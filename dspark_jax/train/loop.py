@@ -274,14 +274,15 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 if pending is not None:
                     finish(pending)  # never checkpoint a non-finite state
                     pending = None
+                writer.flush()  # a URL work directory's metrics.jsonl holds every line up to the checkpoint
                 checkpointer.save(step, state, data_iter=train_iter, meta={"step": step, **meta}, force=True)
             if stop:
                 break
     checkpointer.wait()
     stages["train"] += time.perf_counter() - stages["eval"] - stages["first_step"]
+    writer.close()
     write_summary(workdir, checkpointer, stages, offset)
     checkpointer.close()
-    writer.close()
     if stop and step < t.stop_step:
         raise Preempted(step)
     return last

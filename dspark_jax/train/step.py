@@ -12,6 +12,13 @@ globally summed denominator once, at the end. Because denominators are treated a
 (they count valid predictions, never a function the loss is meant to move), this equals the
 gradient of the globally normalised loss (DESIGN.md section 2) whatever the number of devices or
 micro-batches, and denominators computed inside the step never go through the host.
+
+A group with frozen parameters (`Experiment.trainable`) is differentiated only with respect to its
+trainable ones: the frozen ones are closed over as constants, so no backward pass runs through them
+(the frozen reranker group's backbone), and the gradients and their accumulator hold only the trainable
+leaves (None in place of the frozen ones, the parameters' own tree otherwise). The optimizer
+(`optimizer.make_optimizer(trainable_mask=...)`) gives the frozen leaves zero updates and holds no state
+for them; `apply_step` hands it zeros in their place.
 """
 
 from __future__ import annotations
@@ -31,6 +38,23 @@ from dspark_jax.experiments import Experiment
 Batch = Mapping[str, jax.Array]
 
 
+def split_trainable(params: nnx.State, experiment: Experiment) -> tuple[nnx.State, nnx.State]:
+    """`(trainable, frozen)`: `params` with None in place of its frozen leaves, and with None in place of
+    its trainable ones (by the experiment's mask: all trainable without one). `join` undoes it."""
+    mask = (
+        jax.tree.map(lambda _: True, params) if experiment.trainable is None else experiment.trainable(params)
+    )
+    return (
+        jax.tree.map(lambda trained, x: x if trained else None, mask, params),
+        jax.tree.map(lambda trained, x: None if trained else x, mask, params),
+    )
+
+
+def join(part: Any, other: Any) -> Any:
+    """`part` (a `split_trainable` half) with its None leaves taken from `other`, a tree of its structure."""
+    return jax.tree.map(lambda a, b: b if a is None else a, part, other, is_leaf=lambda x: x is None)
+
+
 def micro_step(
     params: nnx.State,
     rest: nnx.State,
@@ -40,13 +64,15 @@ def micro_step(
     graphdef: nnx.GraphDef,
     experiment: Experiment,
 ) -> tuple[tuple[nnx.State, ...], dict[str, jax.Array]]:
-    """Per loss group, the gradient of this micro-batch's loss numerator; and its sums."""
+    """Per loss group, the gradient of this micro-batch's loss numerator with respect to the trainable
+    parameters (`split_trainable`); and its sums."""
+    trainable, frozen_params = split_trainable(params, experiment)
 
     def numerators(p):
-        sums = experiment.train_sums(nnx.merge(graphdef, p, rest), frozen, batch)
+        sums = experiment.train_sums(nnx.merge(graphdef, join(p, frozen_params), rest), frozen, batch)
         return objective.loss_numerators(sums, experiment.loss_terms), sums
 
-    group_numerators, pullback, sums = jax.vjp(numerators, params, has_aux=True)
+    group_numerators, pullback, sums = jax.vjp(numerators, trainable, has_aux=True)
     groups = group_numerators.shape[0]
     grads = tuple(pullback(jax.nn.one_hot(g, groups, dtype=group_numerators.dtype))[0] for g in range(groups))
     return grads, sums
@@ -78,8 +104,10 @@ def apply_step(
     optimizer: optax.GradientTransformation,
     experiment: Experiment,
 ) -> tuple[nnx.State, optax.OptState, jax.Array]:
-    """One optimizer update from accumulated numerator gradients and sums; returns the new params,
-    optimizer state and the pre-clip gradient norm."""
+    """One optimizer update from accumulated numerator gradients (of the trainable parameters) and sums;
+    returns the new params, optimizer state and the pre-clip norm of the trainable parameters' gradient."""
     grads = normalised_grads(group_grads, sums, experiment)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    _, frozen_params = split_trainable(params, experiment)
+    full_grads = join(grads, jax.tree.map(jnp.zeros_like, frozen_params))
+    updates, opt_state = optimizer.update(full_grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)

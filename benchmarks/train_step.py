@@ -2,7 +2,7 @@
 
   python benchmarks/train_step.py [--steps=5] [--presets=smoke,demo] \
       [--config=configs/baseline.py,configs/memory.py] \
-      [--overrides=train.global_batch=4,train.grad_accum=1] [--shape_only]
+      [--overrides=train.global_batch=4,train.grad_accum=1] [--shape_only] [--peak_tflops=989]
 
 With several configs (comma-separated) each row also shows its step time relative to the first
 config's at the same preset (e.g. Draft Memory's two-stage step next to the baseline's).
@@ -11,6 +11,11 @@ Step timing uses synthetic batches with each preset's exact shapes (values do no
 the work), so no cache is needed; `paper` uses the seed's target shape without its weights.
 `--overrides` sets config keys (`section.key=value`, comma-separated) for every preset, e.g. one
 micro-batch per step to time the paper micro-step on one accelerator.
+
+`--peak_tflops` (one device's dense bf16 peak, e.g. 989 for an H100/H200 SXM) adds the baseline draft's
+model FLOPs per step (`model_flops`: 6 x trainable weights x tokens, 4 x the frozen LM head per slot
+and 2 x the teacher head, attention over each block's visible keys; no remat recompute) and MFU =
+model FLOPs / (step seconds x devices x peak). Other experiment groups add work this count omits: '-'.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -31,7 +37,7 @@ from benchmarks.common import load_config_module
 from dspark_jax import experiments, sharding
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.data.pipeline import to_global
-from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.draft.model import DraftConfig, FrozenTarget
 from dspark_jax.engram import prepare as engram_prepare
 from dspark_jax.target import TargetConfig
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
@@ -58,6 +64,27 @@ def apply_overrides(config, overrides: str):
             value = text
         config[section][key] = value
     return config
+
+
+def model_flops(cfg: DraftConfig, positions_BxT: np.ndarray, anchors_BxN: np.ndarray) -> float:
+    """Model FLOPs of the baseline draft's forward and backward on one micro-batch (no remat recompute).
+
+    Per slot (`N * S` a row): the layers' projections and MLP (`6 x` weights: forward, input and weight
+    gradients), the frozen LM head (`4 x`: forward and input gradient), the teacher's head (`2 x`,
+    forward only), the Markov `W2` and the confidence head (`6 x`). Per context position (`T` a row): the
+    aux projection and every layer's context keys/values (`6 x`). Attention: `12 x D` per query head and
+    visible key (QK and PV forward, four matmuls backward); block `n` sees its sample's context before its
+    anchor (`positions[a_n]` keys) and its own `S` slots.
+    """
+    h, q, g, d, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    v, r, s, layers = cfg.vocab_size, cfg.markov_rank, cfg.block_size, cfg.num_layers
+    b, t = positions_BxT.shape
+    slots = b * anchors_BxN.shape[1] * s
+    per_slot_weights = layers * (2 * h * q * d + 2 * h * g * d + 3 * h * f) + r * v + h + r
+    per_context_weights = cfg.num_aux * h * h + layers * 2 * h * g * d
+    visible = np.take_along_axis(positions_BxT, anchors_BxN, axis=1).astype(np.int64) + s  # keys per block
+    attention = 12 * d * q * s * float(visible.sum()) * layers
+    return 6.0 * (slots * per_slot_weights + b * t * per_context_weights) + 6.0 * slots * h * v + attention
 
 
 def time_step(
@@ -109,10 +136,18 @@ def time_step(
         params, opt_state = one_step(params, opt_state)
     seconds = (time.perf_counter() - begin) / steps
     tokens = config.train.global_batch * config.data.max_length
+    flops = (
+        config.train.grad_accum
+        * model_flops(components.draft_config(config, target), host_batch["positions"], host_batch["anchors"])
+        if config.experiment == "baseline"
+        else float("nan")
+    )
     return {
         "step_seconds": seconds,
         "tokens_per_second": tokens / seconds,
         "samples_per_second": config.train.global_batch / seconds,
+        "model_flops": flops,
+        "devices": mesh.devices.size,
     }
 
 
@@ -125,10 +160,15 @@ def main():
     parser.add_argument("--config", default="configs/baseline.py", help="config files, comma-separated")
     parser.add_argument("--overrides", default="", help="section.key=value,... for every preset")
     parser.add_argument("--shape_only", action="store_true", help="target shape from target.arch (no GGUF)")
+    parser.add_argument(
+        "--peak_tflops", type=float, default=0.0, help="one device's dense bf16 TFLOP/s: adds MFU (0 = off)"
+    )
     args = parser.parse_args()
     config_paths = args.config.split(",")
-    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}")
+    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}")
     header = ("step s", "tokens/s", "samples/s", "vs first")
+    if args.peak_tflops:
+        header += ("TFLOP/step", "TFLOP/s", "MFU")
     print(f"{'preset':8s} {'experiment':20s} " + " ".join(f"{h:>10s}" for h in header))
     for preset in args.presets.split(","):
         first = None
@@ -138,7 +178,16 @@ def main():
             step_s, tok_s, smp_s = r["step_seconds"], r["tokens_per_second"], r["samples_per_second"]
             first = first or step_s
             name = config_module.get_config(preset).experiment
-            print(f"{preset:8s} {name:20s} {step_s:10.3f} {tok_s:10.0f} {smp_s:10.2f} {step_s / first:9.2f}x")
+            line = f"{preset:8s} {name:20s} {step_s:10.3f} {tok_s:10.0f} {smp_s:10.2f} {step_s / first:9.2f}x"
+            if args.peak_tflops:
+                achieved = r["model_flops"] / step_s / 1e12
+                mfu = achieved / (args.peak_tflops * r["devices"])
+                line += (
+                    f" {r['model_flops'] / 1e12:10.1f} {achieved:10.1f} {mfu:10.1%}"
+                    if np.isfinite(achieved)
+                    else f" {'-':>10s} {'-':>10s} {'-':>10s}"
+                )
+            print(line)
 
 
 if __name__ == "__main__":

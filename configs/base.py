@@ -62,6 +62,10 @@ Keys:
   draft.dtype               compute dtype ('bfloat16' on accelerators, 'float32' on CPU).
   draft.attention           block attention: 'xla' (chunked), 'pallas' (TPU kernel; XLA elsewhere, logged),
                             'auto' (Pallas where it compiles) or 'reference' (dense, tests).
+  draft.attention_block_q   Pallas block attention: blocks per query tile (`BlockSizes.block_q`; 8); with
+                            'pallas'/'auto', block_q x block_size must be a multiple of 8 (TPU sublanes).
+  draft.attention_block_k   Pallas block attention: context positions per key tile (`BlockSizes.block_k`;
+                            128); with 'pallas'/'auto', a multiple of 8.
   draft.anchor_chunk        blocks per chunk in block attention and in the vocabulary-sized loss.
   draft.remat               recompute each chunk in the backward pass (memory-bounded) instead of keeping
                             its activations (one forward less; the CPU presets' choice).
@@ -198,6 +202,8 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.draft.param_dtype = "float32"
     c.draft.dtype = "bfloat16" if preset in ("paper", "accel") else "float32"
     c.draft.attention = "xla"
+    c.draft.attention_block_q = 8
+    c.draft.attention_block_k = 128
     c.draft.anchor_chunk = 16 if preset in ("paper", "accel") else 8
     c.draft.remat = preset == "paper"
 

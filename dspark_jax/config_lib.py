@@ -15,7 +15,7 @@ from typing import Any
 
 from ml_collections import config_dict
 
-from dspark_jax.kernels.block_attention import IMPLEMENTATIONS
+from dspark_jax.kernels.block_attention import DEFAULT_BLOCK_SIZES, IMPLEMENTATIONS
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ RESUMABLE_KEYS = (
     "mesh",
     "sharding",
     "draft.attention",
+    "draft.attention_block_q",
+    "draft.attention_block_k",
     "draft.anchor_chunk",
     "draft.remat",
     "draft.memory_source",
@@ -114,12 +116,34 @@ def validate(config) -> None:
         )
     if config.draft.attention not in IMPLEMENTATIONS:
         raise UsageError(f"draft.attention={config.draft.attention!r} must be one of {IMPLEMENTATIONS}")
+    _check_block_sizes(config.draft)
     if "engram" in config:
         from dspark_jax.engram import prepare
 
         prepare.check_config(config)
     if config.draft.block_size != 7:
         log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
+
+
+def _check_block_sizes(draft) -> None:
+    """The Pallas kernel's tiles: positive integers; where the kernel may compile ('pallas', 'auto'),
+    whole TPU sublane tiles (8 rows) of queries (`block_q * block_size`) and of context keys."""
+    block_q = draft.get("attention_block_q", DEFAULT_BLOCK_SIZES.block_q)  # runs stored before the keys
+    block_k = draft.get("attention_block_k", DEFAULT_BLOCK_SIZES.block_k)
+    for key, value in (("attention_block_q", block_q), ("attention_block_k", block_k)):
+        if not isinstance(value, int) or value < 1:
+            raise UsageError(f"draft.{key}={value!r} must be an integer >= 1")
+    if draft.attention not in ("pallas", "auto"):
+        return
+    if block_q * draft.block_size % 8:
+        raise UsageError(
+            f"draft.attention_block_q={block_q} x draft.block_size={draft.block_size} query rows per tile "
+            "must be a multiple of 8 (the TPU kernel's sublane tile)"
+        )
+    if block_k % 8:
+        raise UsageError(
+            f"draft.attention_block_k={block_k} must be a multiple of 8 (the TPU kernel's sublane tile)"
+        )
 
 
 def to_stored(config) -> dict[str, Any]:

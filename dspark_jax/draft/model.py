@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import sharding
-from dspark_jax.kernels.block_attention import BlockMemory, block_attention
+from dspark_jax.kernels.block_attention import DEFAULT_BLOCK_SIZES, BlockMemory, BlockSizes, block_attention
 from dspark_jax.nn import DecoderBlock, Dtype, Linear, RMSNorm, apply_rope, normal_init
 
 
@@ -40,6 +40,7 @@ class DraftConfig:
       mask_token_id: a spare target embedding row used as MASK; None (or -1) = a learned vector.
       attention: block attention implementation ('auto', 'pallas', 'xla' or 'reference'; see
         `dspark_jax.kernels.block_attention`).
+      attention_block_q, attention_block_k: the Pallas kernel's tiles (`BlockSizes`).
       anchor_chunk: blocks per chunk of the XLA block attention and of the vocabulary-sized objective.
       remat: recompute each chunk's activations in the backward pass instead of storing them.
       param_dtype, dtype: master-weight and compute dtypes.
@@ -59,6 +60,8 @@ class DraftConfig:
     markov_rank: int = 256
     mask_token_id: int | None = None
     attention: str = "xla"
+    attention_block_q: int = DEFAULT_BLOCK_SIZES.block_q
+    attention_block_k: int = DEFAULT_BLOCK_SIZES.block_k
     anchor_chunk: int = 16
     remat: bool = True
     param_dtype: str = "float32"
@@ -206,6 +209,7 @@ class DraftLayer(DecoderBlock):
             implementation=self.cfg.attention,
             anchor_chunk=self.cfg.anchor_chunk,
             remat=self.cfg.remat,
+            block_sizes=BlockSizes(self.cfg.attention_block_q, self.cfg.attention_block_k),
         )
         return self.finish(x_BxNxSxH, out)
 

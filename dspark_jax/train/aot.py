@@ -1,23 +1,29 @@
 """Ahead-of-time memory check: does one device's share of a training step fit, before renting a pod?
 
   python -m dspark_jax.check_memory --config=configs/baseline.py:paper [--micro_batch=4]
+  python -m dspark_jax.check_memory --config=configs/baseline.py:paper --topology=tpu-v5p-8
 
 Compiles the micro-batch gradient step and the optimizer update for abstract inputs
-(`jax.ShapeDtypeStruct`s, nothing allocated) on the local backend and prints XLA's
-`memory_analysis()` in bytes. The draft's parameters, optimizer state, gradient
-accumulator and the frozen target matrices are all counted as resident on one device (pure
-data parallelism, as in the seed's 4-GPU setup), so the figure is an upper bound for
-FSDP-sharded meshes.
+(`jax.ShapeDtypeStruct`s, nothing allocated) and reports XLA's `memory_analysis()` plus each
+device's bytes by category. Without `devices` the step is compiled on one local device, everything
+resident there (pure data parallelism, as in the seed's 4-GPU setup: an upper bound for FSDP). With
+the compile-only `devices` of a named topology (`dspark_jax.train.topology`) it is compiled by that
+platform's compiler over the trainer's mesh (`config.mesh` over those devices) with the trainer's
+shardings (`config.sharding.rules`): parameters, optimizer state and gradients as the rules lay them
+out, the frozen target matrices on ('vocab', 'embed'), `micro_batch` rows per batch shard.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
-from dspark_jax import config_lib, experiments
+from dspark_jax import config_lib, experiments, sharding
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.engram import prepare as engram_prepare
@@ -28,7 +34,7 @@ from dspark_jax.train import step as step_lib
 GB = 1e9
 
 
-def _analysis(compiled) -> dict[str, float]:
+def _analysis(compiled) -> dict[str, int]:
     m = compiled.memory_analysis()
     fields = (
         "argument_size_in_bytes",
@@ -40,39 +46,145 @@ def _analysis(compiled) -> dict[str, float]:
     return {name: int(getattr(m, name)) for name in fields}
 
 
-def step_memory(config, micro_batch: int) -> dict[str, dict[str, int] | float]:
-    """XLA memory analysis of the micro-batch gradient step and of the optimizer update (bytes)."""
+def _placed(tree, shardings):
+    """`ShapeDtypeStruct`s of `tree`'s leaves carrying `shardings` (one sharding, or a matching tree)."""
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+
+
+def _device_bytes(tree) -> int:
+    """Bytes of one device's shards of the placed leaves of `tree`."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(tree)
+    )
+
+
+def _frozen(config, target: TargetConfig, mesh, rules) -> FrozenTarget:
+    """The frozen target matrices as the trainer places them; the Engram table replicated."""
+    dtype = jnp.dtype(config.target.param_dtype)
+    v, h = target.vocab_size, target.hidden_size
+    place = lambda shape, axes: jax.ShapeDtypeStruct(
+        shape, dtype, sharding=NamedSharding(mesh, sharding.logical_to_spec(axes, shape, mesh, rules))
+    )
+    table = (
+        _placed(
+            engram_prepare.synthetic_table(config, v, abstract=True), NamedSharding(mesh, PartitionSpec())
+        )
+        if engram_prepare.uses_engram(config)
+        else None
+    )
+    return FrozenTarget(place((v, h), ("vocab", "embed")), place((h, v), ("embed", "vocab")), table)
+
+
+def _batch(fields, mesh, rules):
+    """The batch's fields as the trainer places them (`pipeline.to_global`): rows on the 'batch' axes."""
+    spec = lambda x: sharding.logical_to_spec(("batch",) + (None,) * (x.ndim - 1), x.shape, mesh, rules)
+    return {
+        name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec(x)))
+        for name, x in fields.items()
+    }
+
+
+def _optimizer_state(optimizer, params, replicated: NamedSharding):
+    """The optimizer state laid out for FSDP: a leaf shaped like a parameter whose key path ends with
+    that parameter's (the Adam moments) takes its sharding, the rest (step counts) is replicated."""
+    by_path = {jax.tree_util.keystr(path): p for path, p in jax.tree_util.tree_leaves_with_path(params)}
+
+    def one(path, x):
+        name = jax.tree_util.keystr(path)
+        matches = [k for k, p in by_path.items() if name.endswith(k) and p.shape == x.shape]
+        chosen = by_path[max(matches, key=len)].sharding if matches else replicated
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chosen)
+
+    return jax.tree_util.tree_map_with_path(one, jax.eval_shape(optimizer.init, params))
+
+
+def step_memory(
+    config, micro_batch: int, devices: Sequence[jax.Device] | None = None
+) -> dict[str, int | float | dict]:
+    """XLA memory analysis of the micro-batch gradient step and of the optimizer update, and each
+    device's bytes by category (`per_device_bytes`), for `micro_batch` rows per batch shard.
+
+    `devices`: compile-only devices of a topology (`topology.compile_devices`); None = one local device.
+    """
     config_lib.validate(config)
     experiment = experiments.get(config.experiment)
     target = TargetConfig.from_json(config.target.arch.to_dict())
-    graphdef, params, rest = components.abstract_draft(config, target)
-    frozen_dtype = jnp.dtype(config.target.param_dtype)
-    frozen = FrozenTarget(
-        jax.ShapeDtypeStruct((target.vocab_size, target.hidden_size), frozen_dtype),
-        jax.ShapeDtypeStruct((target.hidden_size, target.vocab_size), frozen_dtype),
-        engram_prepare.synthetic_table(config, target.vocab_size, abstract=True)
-        if engram_prepare.uses_engram(config)
-        else None,
+    rules = sharding.rules_of(config)
+    mesh = (
+        sharding.make_mesh(None, jax.devices()[:1])
+        if devices is None
+        else sharding.make_mesh(config.mesh.to_dict(), devices)
     )
-    batch = batch_lib.abstract_device_batch(micro_batch, batch_lib.Dims.of(config, target.hidden_size))
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    graphdef, params, rest = components.abstract_draft(config, target)
+    params = sharding.with_shardings(params, mesh, rules)
+    rest = _placed(rest, replicated)
+    frozen = _frozen(config, target, mesh, rules)
+    batch_axes = dict(rules).get("batch") or ()
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+    rows = micro_batch * math.prod(mesh.shape[a] for a in batch_axes)
+    batch = _batch(
+        batch_lib.abstract_device_batch(rows, batch_lib.Dims.of(config, target.hidden_size)), mesh, rules
+    )
+
     micro_fn = functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=experiment)
-    micro = jax.jit(micro_fn).lower(params, rest, frozen, batch).compile()
-    grads, sums = jax.eval_shape(micro_fn, params, rest, frozen, batch)
+    # Traced under the mesh: the block attention dispatcher and Pallas lower for the mesh's platform.
+    with jax.set_mesh(mesh), sharding.activation_sharding(mesh, rules):
+        micro = jax.jit(micro_fn).lower(params, rest, frozen, batch).compile()
+    accumulators = _placed(jax.eval_shape(micro_fn, params, rest, frozen, batch), micro.output_shardings)
+    grads, sums = accumulators
     _, optimizer = components.make_training_optimizer(config, params)
-    opt_state = jax.eval_shape(optimizer.init, params)
+    opt_state = _optimizer_state(optimizer, params, replicated)
     update_fn = functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=experiment)
     update = jax.jit(update_fn, donate_argnums=(0, 1)).lower(params, opt_state, grads, sums).compile()
+
     micro_mem, update_mem = _analysis(micro), _analysis(update)
-    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-    # Resident: params + optimizer state + gradient accumulators (the update's arguments) + frozen matrices;
-    # then one micro-step's batch, temporaries and new gradients on top.
-    resident = update_mem["argument_size_in_bytes"] + nbytes(frozen)
-    peak = resident + nbytes(batch) + micro_mem["temp_size_in_bytes"] + micro_mem["output_size_in_bytes"]
-    params_count = sum(x.size for x in jax.tree.leaves(params))
+    per_device = {
+        "parameters": _device_bytes(params),
+        "other_draft_state": _device_bytes(rest),
+        "optimizer_state": _device_bytes(opt_state),
+        "gradient_accumulators": _device_bytes(accumulators),
+        "frozen_target": _device_bytes(frozen),
+        "batch": _device_bytes(batch),
+        "micro_step_temporaries": micro_mem["temp_size_in_bytes"],
+        "update_temporaries": update_mem["temp_size_in_bytes"],
+    }
+    resident = sum(
+        per_device[k]
+        for k in (
+            "parameters",
+            "other_draft_state",
+            "optimizer_state",
+            "gradient_accumulators",
+            "frozen_target",
+        )
+    )
+    # Peak: a micro-step runs on top of the resident state and accumulators with its batch, temporaries
+    # and new gradients; the update replaces the accumulators' sum by its temporaries and fresh outputs.
+    micro_peak = (
+        resident + per_device["batch"] + micro_mem["temp_size_in_bytes"] + micro_mem["output_size_in_bytes"]
+    )
+    update_peak = (
+        resident
+        + update_mem["temp_size_in_bytes"]
+        + update_mem["output_size_in_bytes"]
+        - update_mem["alias_size_in_bytes"]
+    )
+    peak = max(micro_peak, update_peak)
     return {
-        "draft_parameters": params_count,
+        "draft_parameters": sum(x.size for x in jax.tree.leaves(params)),
+        "devices": len(mesh.devices.flat),
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "mesh": dict(mesh.shape),
+        "micro_batch_per_shard": micro_batch,
+        "global_micro_batch": rows,
         "micro_step": micro_mem,
         "update": update_mem,
+        "per_device_bytes": per_device,
         "estimated_peak_bytes": peak,
         "estimated_peak_gb": round(peak / GB, 2),
     }

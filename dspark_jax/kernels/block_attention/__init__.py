@@ -14,7 +14,11 @@ all blocks; those of memory and slots are per block.
   anchor; compiled on TPU (Mosaic), or anywhere with `interpret=True`.
 
 `implementation='auto'` picks Pallas on a backend with a Pallas lowering of this kernel (TPU) and XLA
-elsewhere; `'pallas'` on a backend without one falls back to XLA and says so once in the log.
+elsewhere; `'pallas'` on a backend without one falls back to XLA and says so once in the log. The
+backend is the platform being compiled for: that of the devices of the mesh set with `jax.set_mesh`
+(ahead-of-time compiles for a TPU topology from a CPU host, `dspark_jax.train.aot`), else JAX's
+default backend. The kernel's tiles (`BlockSizes`) are the config keys `draft.attention_block_q` and
+`draft.attention_block_k`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ from dspark_jax.kernels.block_attention.pallas import DEFAULT_BLOCK_SIZES, Block
 from dspark_jax.kernels.block_attention.reference import block_attention_reference
 from dspark_jax.kernels.block_attention.xla import block_attention_xla
 
-__all__ = ["IMPLEMENTATIONS", "BlockMemory", "BlockSizes", "block_attention", "resolve_implementation"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZES",
+    "IMPLEMENTATIONS",
+    "BlockMemory",
+    "BlockSizes",
+    "block_attention",
+    "resolve_implementation",
+    "target_backend",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +49,21 @@ PALLAS_BACKENDS = ("tpu",)  # backends with a compiled lowering of the Pallas ke
 _WARNED: set[str] = set()
 
 
+def target_backend() -> str:
+    """The platform being compiled for: the current mesh's devices' (`jax.set_mesh`), else the default."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def resolve_implementation(implementation: str, interpret: bool = False, backend: str | None = None) -> str:
-    """The implementation that runs: 'auto' and 'pallas' become 'xla' on a backend without a Pallas
-    lowering (unless `interpret`), the latter with one log line per backend."""
+    """The implementation that runs on `backend` (default `target_backend()`): 'auto' and 'pallas' become
+    'xla' on a backend without a Pallas lowering (unless `interpret`), the latter with one log line per
+    backend."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown block attention implementation {implementation!r}; use one of {IMPLEMENTATIONS}"
         )
-    backend = backend or jax.default_backend()
+    backend = backend or target_backend()
     if implementation in ("auto", "pallas") and not interpret and backend not in PALLAS_BACKENDS:
         if implementation == "pallas" and backend not in _WARNED:
             _WARNED.add(backend)

@@ -160,9 +160,15 @@ def _forward(q, k_ctx, v_ctx, k_blk, v_blk, anchors, starts, memory, sizes: Bloc
     if memory is not None:
         m = memory.valid_BxNxM.shape[2]
         mem_spec = pl.BlockSpec((None, None, tq * m, d), lambda bi, gi, i, r: (bi, gi, i, 0))
-        valid = pad_n(memory.valid_BxNxM).reshape(b, 1, n_all * m).astype(jnp.int32)
+        # One [1, tq*M] slab per query tile: Mosaic takes a block equal to the array's last two dims at any
+        # width, not a (1, tq*M) window of a [1, N*M] row unless tq*M is a multiple of 128 lanes.
+        valid = pad_n(memory.valid_BxNxM).reshape(b, n_all // tq, 1, tq * m).astype(jnp.int32)
         inputs += [_per_head(pad_n(memory.k_BxNxMxGxD)), _per_head(pad_n(memory.v_BxNxMxGxD)), valid]
-        specs += [mem_spec, mem_spec, pl.BlockSpec((None, 1, tq * m), lambda bi, gi, i, r: (bi, 0, i))]
+        specs += [
+            mem_spec,
+            mem_spec,
+            pl.BlockSpec((None, None, 1, tq * m), lambda bi, gi, i, r: (bi, i, 0, 0)),
+        ]
     out = pl.pallas_call(
         functools.partial(_kernel, s=s, e=e, m=m, block_k=sizes.block_k),
         out_shape=jax.ShapeDtypeStruct(q_BxGxNSExD.shape, q.dtype),

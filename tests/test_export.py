@@ -366,3 +366,25 @@ def test_import_cli_refuses_a_mismatched_mask_and_a_used_workdir(exported):
     proc, errors = _cli(tmp, "import_draft", f"--input={directory}", *SMOKE_ARGS, f"--workdir={imported}")
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert "--workdir must be a new work directory" in errors[0]
+
+
+@pytest.mark.slow
+def test_training_continues_from_an_imported_draft(exported, mesh8):
+    tmp, (_, params, _), _, imported = exported
+    run = tmp / "continued"
+    shutil.copytree(imported, run)
+    frozen_lr = ["--config.train.peak_lr=1e-30", "--allow_changed=train.peak_lr"]  # moves nothing in float32
+    proc, errors = _cli(
+        tmp, "train", *SMOKE_ARGS, f"--workdir={run}", "--config.train.stop_step=1", *frozen_lr
+    )
+    assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
+    assert "resumed from step 0" in (run / "train.log").read_text()
+    config = components.run_config(run)
+    target = TargetConfig.from_json(config.target.arch.to_dict())
+    _, trained, _, step = components.restore_draft(config, target, mesh8, run)
+    # At a learning rate of 1e-30 the imported parameters come out unchanged: they are where training started.
+    assert step == 1
+    want, got = _host(params), _host(trained)
+    assert all(np.array_equal(got[path], value) for path, value in want.items())
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and np.isfinite(first["train/loss"])

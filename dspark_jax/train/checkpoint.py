@@ -131,6 +131,10 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         return restored[_STATE], dict(restored[_META] or {})
 
+    def has_data_iter(self, step: int | None = None) -> bool:
+        """Whether `step` (None: the latest) holds a data iterator state (an imported checkpoint has none)."""
+        return _DATA_ITER in self._manager.item_metadata(self._existing_step(step))
+
     def meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON meta item of `step` (None: the latest), without reading any array."""
         step = self._existing_step(step)

@@ -59,7 +59,7 @@ def check_workdir(workdir: epath.Path, config, allow_changed: Sequence[str] = ()
         return
     with Checkpointer(workdir / "checkpoints") as checkpointer:
         step = checkpointer.latest_step()
-        stored = checkpointer.meta(step).get("config") if step else None
+        stored = checkpointer.meta(step).get("config") if step is not None else None
     if stored is None:
         return
     conflicts = config_lib.resume_conflicts(config, stored, allow_changed)
@@ -97,7 +97,7 @@ def write_summary(
     step = checkpointer.latest_step()
     summary = {
         "workdir": str(workdir),
-        "checkpoint": str(checkpointer.directory / str(step)) if step else None,
+        "checkpoint": str(checkpointer.directory / str(step)) if step is not None else None,
         "step": step,
         "pretrained_steps": pretrained_steps,
         "tensorboard": str(workdir / TENSORBOARD_DIR),
@@ -143,7 +143,8 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     checkpointer = Checkpointer(
         workdir / "checkpoints", max_to_keep=t.max_to_keep, save_interval_steps=t.checkpoint_every
     )
-    start = checkpointer.latest_step() or 0
+    latest = checkpointer.latest_step()  # 0: a checkpoint written by `import_draft`
+    start = latest or 0
     graphdef, params, rest = components.init_draft(config, side.config, mesh)
     if pretrained and not start:
         params = components.warm_start(config, side.config, mesh, params, pretrained)
@@ -167,8 +168,10 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
 
     # ---- Checkpoint restore -------------------------------------------------------------------
     state = {"params": params, "opt_state": opt_state}
-    if start:
-        state, _ = checkpointer.restore(start, components.abstract_state(state, mesh), data_iter=train_iter)
+    if latest is not None:
+        # An imported checkpoint holds no iterator position: its data starts from the beginning.
+        resumed_iter = train_iter if checkpointer.has_data_iter(latest) else None
+        state, _ = checkpointer.restore(latest, components.abstract_state(state, mesh), data_iter=resumed_iter)
         log.info("resumed from step %d", start)
     writer = MetricWriter(workdir, resume_step=offset + start)
     progress = ProgressLogger(t.stop_step, start)

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dspark_jax.inference import engine
 from dspark_jax.inference.decoder import SpeculativeDecoder
+from dspark_jax.inference.timing import cycle_programs
 from dspark_jax.target.generate import GREEDY, SamplingParams
 
 
@@ -42,36 +42,19 @@ def walk_cycle(
     batch = next(decoder.batches([list(prompt)]))
     max_len = decoder.max_len(batch.length, settings.max_new_tokens)
     sps_N = decoder.sps(max_len) if settings.verify_buckets else None
-    tg, dg, proposer = decoder.target_graphdef, decoder.draft[0], decoder.proposer
+    run = cycle_programs(decoder, settings, max_len)
     ts, (_, dp, dr), frozen = decoder.target_state, decoder.draft, decoder.frozen
-
-    @jax.jit
-    def cycle(ts, dp, dr, frozen, tokens, lengths, real, rng):
-        target, draft = nnx.merge(tg, ts), nnx.merge(dg, dp, dr)
-        state = engine.prefill(
-            target,
-            draft,
-            tokens,
-            lengths,
-            real,
-            max_len=max_len,
-            settings=settings,
-            rng=rng,
-            proposer=proposer,
-        )
-        draft_out = proposer.draft_pass(draft, frozen, state)
-        h_BxSxH = draft_out["h"] if isinstance(draft_out, dict) else draft_out
-        proposals = proposer.select(
-            draft, frozen, draft_out, state, jax.random.fold_in(engine.cycle_rng(state), 0), settings
-        )
-        new_state, accepted_B = engine.verify_and_accept(
-            target, draft, state, proposals, settings, jax.random.fold_in(engine.cycle_rng(state), 1), sps_N
-        )
-        return state, new_state, draft.base_logits(frozen, h_BxSxH), proposals, accepted_B
-
-    rng = jax.random.key(seed)
+    state = run.prefill(ts, dp, dr, batch.tokens_BxP, batch.lengths_B, batch.real_B, jax.random.key(seed))
+    draft_out = run.draft_pass(dp, dr, frozen, state)
+    proposals = run.select(dp, dr, frozen, state, draft_out)
+    new_state, accepted_B = run.verify(ts, dp, dr, state, draft_out, proposals, sps_N)
+    h_BxSxH = draft_out["h"] if isinstance(draft_out, dict) else draft_out
+    graphdef = decoder.draft[0]
+    base_BxSxV = jax.jit(lambda p, r, f, h: nnx.merge(graphdef, p, r).base_logits(f, h))(
+        dp, dr, frozen, h_BxSxH
+    )
     state, new_state, base_BxSxV, proposals, accepted_B = jax.device_get(
-        cycle(ts, dp, dr, frozen, batch.tokens_BxP, batch.lengths_B, batch.real_B, rng)
+        (state, new_state, base_BxSxV, proposals, accepted_B)
     )
     accepted = int(accepted_B[0])
     start, stop = int(state.count_B[0]), int(new_state.count_B[0])

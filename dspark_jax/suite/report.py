@@ -92,6 +92,12 @@ def _signed(value, digits: int = 4) -> str:
     return "-" if value is None else f"{value:+.{digits}f}"
 
 
+def _markdown(head: list[str], body: list[list[str]]) -> list[str]:
+    """A markdown table's lines."""
+    line = lambda cells: "| " + " | ".join(cells) + " |"
+    return [line(head), "|" + " --- |" * len(head), *map(line, body)]
+
+
 def _label(name: str) -> str:
     return next((g.label for suite in plan.SUITES.values() for g in suite if g.name == name), name)
 
@@ -110,7 +116,7 @@ def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int)
         "params added",
         *(title for _, title in RERANK_METRICS),
     ]
-    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    body = []
     for g in groups:
         f = g.final
         greedy, sampled = g.speculative(0.0), g.speculative(1.0)
@@ -131,8 +137,8 @@ def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int)
             "-" if added is None else f"{added:+,}",
             *(_signed(f.get(f"eval/{key}")) for key, _ in RERANK_METRICS),
         ]
-        rows.append("| " + " | ".join(cells) + " |")
-    return rows
+        body.append(cells)
+    return _markdown(head, body)
 
 
 def _decoding_row(g: _Group, t: float, schedule: str, r: dict) -> list[str]:
@@ -166,13 +172,13 @@ def _decoding_table(groups: list[_Group], protocol: Mapping) -> list[str]:
         "greedy = target",
         "file",
     ]
-    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for g in groups:
-        for t, schedule in protocol["settings"]:
-            r = g.speculative(t, schedule)
-            if r is not None:
-                rows.append("| " + " | ".join(_decoding_row(g, t, schedule, r)) + " |")
-    return rows
+    body = [
+        _decoding_row(g, t, schedule, r)
+        for g in groups
+        for t, schedule in protocol["settings"]
+        if (r := g.speculative(t, schedule)) is not None
+    ]
+    return _markdown(head, body)
 
 
 def _plots(out: epath.Path, groups: list[_Group]) -> None:

@@ -96,7 +96,7 @@ def time_step(
     target = preset_target(config, shape_only)
     graphdef, params, rest = components.init_draft(config, target, mesh)
     _, optimizer = components.make_training_optimizer(config, params)
-    opt_state = jax.jit(optimizer.init)(params)
+    opt_state = components.init_optimizer_state(optimizer, params, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     key = jax.random.split(jax.random.key(0))
     frozen = jax.device_put(

@@ -87,20 +87,6 @@ def _batch(fields, mesh, rules):
     }
 
 
-def _optimizer_state(optimizer, params, replicated: NamedSharding):
-    """The optimizer state laid out for FSDP: a leaf shaped like a parameter whose key path ends with
-    that parameter's (the Adam moments) takes its sharding, the rest (step counts) is replicated."""
-    by_path = {jax.tree_util.keystr(path): p for path, p in jax.tree_util.tree_leaves_with_path(params)}
-
-    def one(path, x):
-        name = jax.tree_util.keystr(path)
-        matches = [k for k, p in by_path.items() if name.endswith(k) and p.shape == x.shape]
-        chosen = by_path[max(matches, key=len)].sharding if matches else replicated
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chosen)
-
-    return jax.tree_util.tree_map_with_path(one, jax.eval_shape(optimizer.init, params))
-
-
 def step_memory(
     config, micro_batch: int, devices: Sequence[jax.Device] | None = None
 ) -> dict[str, int | float | dict]:
@@ -138,7 +124,9 @@ def step_memory(
     accumulators = _placed(jax.eval_shape(micro_fn, params, rest, frozen, batch), micro.output_shardings)
     grads, sums = accumulators
     _, optimizer = components.make_training_optimizer(config, params)
-    opt_state = _optimizer_state(optimizer, params, replicated)
+    opt_state = _placed(
+        jax.eval_shape(optimizer.init, params), components.optimizer_state_shardings(optimizer, params, mesh)
+    )
     update_fn = functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=experiment)
     update = jax.jit(update_fn, donate_argnums=(0, 1)).lower(params, opt_state, grads, sums).compile()
 

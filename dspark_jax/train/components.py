@@ -282,6 +282,28 @@ def make_training_optimizer(config, params=None) -> tuple[optax.Schedule, optax.
     )
 
 
+def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, mesh: Mesh):
+    """Shardings of `optimizer.init(params)` laid out for FSDP: a leaf shaped like a parameter whose key
+    path ends with that parameter's (the Adam moments) takes the parameter's sharding; the rest (step
+    counts) is replicated. `params` carry their shardings (arrays or `ShapeDtypeStruct`s)."""
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    by_path = {jax.tree_util.keystr(path): p for path, p in jax.tree_util.tree_leaves_with_path(params)}
+
+    def one(path, x):
+        name = jax.tree_util.keystr(path)
+        matches = [k for k, p in by_path.items() if name.endswith(k) and p.shape == x.shape]
+        return by_path[max(matches, key=len)].sharding if matches else replicated
+
+    return jax.tree_util.tree_map_with_path(one, jax.eval_shape(optimizer.init, params))
+
+
+def init_optimizer_state(optimizer: optax.GradientTransformation, params, mesh: Mesh):
+    """`optimizer.init(params)` placed by `optimizer_state_shardings` (moments sharded like their
+    parameters, not whole on one device)."""
+    shardings = optimizer_state_shardings(optimizer, params, mesh)
+    return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+
 def abstract_state(state, mesh: Mesh):
     """`ShapeDtypeStruct`s (with shardings) shaped like `state`, for orbax restores. A leaf not laid out on
     `mesh` (the optimizer's step count, placed on one device by `optimizer.init`) is restored replicated

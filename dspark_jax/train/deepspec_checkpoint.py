@@ -135,7 +135,7 @@ def import_draft(config, directory: str | os.PathLike, workdir: str | os.PathLik
     mesh = sharding.make_mesh(config.mesh.to_dict())
     params = _placed(sharding.with_shardings(abstract, mesh, sharding.rules_of(config)), values)
     _, optimizer = components.make_training_optimizer(config, params)
-    state = {"params": params, "opt_state": jax.jit(optimizer.init)(params)}
+    state = {"params": params, "opt_state": components.init_optimizer_state(optimizer, params, mesh)}
     meta = {
         "step": 0,
         "config": config_lib.to_stored(config),

@@ -149,7 +149,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     if pretrained and not start:
         params = components.warm_start(config, side.config, mesh, params, pretrained)
     schedule, optimizer = components.make_training_optimizer(config, params)
-    opt_state = jax.jit(optimizer.init)(params)
+    opt_state = components.init_optimizer_state(optimizer, params, mesh)
 
     # ---- Input pipelines ----------------------------------------------------------------------
     micro_rows = t.global_batch // t.grad_accum
@@ -171,7 +171,9 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     if latest is not None:
         # An imported checkpoint holds no iterator position: its data starts from the beginning.
         resumed_iter = train_iter if checkpointer.has_data_iter(latest) else None
-        state, _ = checkpointer.restore(latest, components.abstract_state(state, mesh), data_iter=resumed_iter)
+        state, _ = checkpointer.restore(
+            latest, components.abstract_state(state, mesh), data_iter=resumed_iter
+        )
         log.info("resumed from step %d", start)
     writer = MetricWriter(workdir, resume_step=offset + start)
     progress = ProgressLogger(t.stop_step, start)

@@ -56,9 +56,8 @@ def test_seed_suite_on_smoke_writes_the_table_and_plots_and_skips_finished_group
         spec = json.loads((data / g.name / "speculate" / f"{setting_name(0.0, 'fixed')}.json").read_text())
         assert cells[10] == f"{spec['speculative']['mal_pooled']:.3f}"
         assert spec["identical_to_target_greedy"] == "2/2"
-        for t in (0.0, 1.0):
-            for schedule in ("fixed", "confidence"):
-                assert (data / g.name / "speculate" / f"{setting_name(t, schedule)}.json").exists()
+        for t, schedule in plan.PROTOCOLS["smoke"].settings:  # both temperatures, both schedules
+            assert (data / g.name / "speculate" / f"{setting_name(t, schedule)}.json").exists()
     frozen = [x for x in (data / "reranker_frozen" / "metrics.jsonl").read_text().splitlines()]
     assert json.loads(frozen[-1])["step"] == 12  # 6 baseline steps + 6 new ones, cumulative
     params = json.loads((data / "params.json").read_text())

@@ -1,6 +1,8 @@
 """Run components: the draft built from the config's `draft` section, initialised under `jit` into the
 config's sharding rules, equal to an eager initialisation."""
 
+import importlib
+
 import jax
 import numpy as np
 import pytest
@@ -58,3 +60,24 @@ def test_demo_arch_is_the_embedded_target_shape():
     got = TargetConfig.from_json(baseline.get_config("demo").target.arch.to_dict()).to_json()
     assert got == {**want, "rms_norm_eps": got["rms_norm_eps"]}
     assert got["rms_norm_eps"] == pytest.approx(want["rms_norm_eps"])
+
+
+@pytest.mark.parametrize("experiment", ["baseline", "reranker_frozen"])
+def test_optimizer_state_is_sharded_like_the_parameters(mesh8, experiment):
+    config = importlib.import_module(f"configs.{experiment}").get_config("smoke")
+    target = TargetConfig.from_json(config.target.arch.to_dict())
+    _, params, _ = components.init_draft(config, target, mesh8)
+    _, optimizer = components.make_training_optimizer(config, params)
+    opt_state = components.init_optimizer_state(optimizer, params, mesh8)
+    shardings = {jax.tree_util.keystr(p): x.sharding for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    moments = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(opt_state):
+        name = jax.tree_util.keystr(path)
+        owner = [k for k in shardings if name.endswith(k)]
+        if owner:  # an Adam moment: laid out like its parameter, not whole on one device
+            moments += 1
+            assert x.sharding == shardings[max(owner, key=len)], name
+        else:  # a step count
+            assert x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8, name
+    assert moments >= 2 * (len(shardings) if experiment == "baseline" else 2)
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(opt_state))

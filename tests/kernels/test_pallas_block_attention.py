@@ -24,28 +24,28 @@ LAYOUTS = {
 GQA = {1: (2, 2), 4: (4, 1), 12: (12, 1)}  # ratio: (query heads, KV heads)
 
 
-def _inputs(layout, ratio, memory_slots, dtype=jnp.float32, seed=0):
+def _inputs(layout, ratio, memory_slots, dtype=jnp.float32, seed=0, d=D, t=T):
     heads, kv_heads = GQA[ratio]
     keys = jax.random.split(jax.random.key(seed), 9)
     normal = lambda k, shape: jax.random.normal(k, shape).astype(dtype)
     anchors, starts = LAYOUTS[layout]
-    random_row = jnp.sort(jax.random.randint(keys[5], (N,), 0, T + 1))
+    random_row = jnp.sort(jax.random.randint(keys[5], (N,), 0, t + 1))
     anchors = jnp.stack([jnp.asarray(anchors), random_row]).astype(jnp.int32)
     starts = jnp.stack([jnp.asarray(starts), jnp.zeros(N, jnp.int32)]).astype(jnp.int32)
     memory = None
     if memory_slots:
         valid = jax.random.bernoulli(keys[8], 0.6, (2, N, memory_slots))
         memory = BlockMemory(
-            normal(keys[6], (2, N, memory_slots, kv_heads, D)),
-            normal(keys[7], (2, N, memory_slots, kv_heads, D)),
+            normal(keys[6], (2, N, memory_slots, kv_heads, d)),
+            normal(keys[7], (2, N, memory_slots, kv_heads, d)),
             valid,
         )
     args = (
-        normal(keys[0], (2, N, S, heads, D)),
-        normal(keys[1], (2, T, kv_heads, D)),
-        normal(keys[2], (2, T, kv_heads, D)),
-        normal(keys[3], (2, N, S, kv_heads, D)),
-        normal(keys[4], (2, N, S, kv_heads, D)),
+        normal(keys[0], (2, N, S, heads, d)),
+        normal(keys[1], (2, t, kv_heads, d)),
+        normal(keys[2], (2, t, kv_heads, d)),
+        normal(keys[3], (2, N, S, kv_heads, d)),
+        normal(keys[4], (2, N, S, kv_heads, d)),
         anchors,
     )
     return args, memory, starts
@@ -102,7 +102,7 @@ def test_gradients_equal_the_dense_reference(layout, ratio, memory_slots):
 def test_tile_ranges_skip_context_past_the_largest_anchor():
     anchors = jnp.asarray([[0, 0, 5, 9, 12, 40]])
     starts = jnp.asarray([[0, 0, 0, 0, 10, 10]])
-    ranges = ba.pallas.tile_ranges(anchors, starts, 2, T)
+    ranges = ba.pallas_tpu.tile_ranges(anchors, starts, 2, T)
     np.testing.assert_array_equal(ranges, [[[0, 0], [0, 9], [10, 40]]])
 
 
@@ -111,11 +111,13 @@ def test_dispatcher_falls_back_to_xla_once_per_backend(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING, logger=ba.__name__):
         assert ba.resolve_implementation("pallas", backend="cpu") == "xla"
         assert ba.resolve_implementation("pallas", backend="cpu") == "xla"
-        assert ba.resolve_implementation("pallas", backend="gpu") == "xla"
+        assert ba.resolve_implementation("pallas", backend="metal") == "xla"
+        assert ba.resolve_implementation("pallas", backend="gpu") == "pallas"
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2 and "backend 'cpu'" in warnings[0] and "chunked XLA" in warnings[0]
     assert ba.resolve_implementation("auto", backend="cpu") == "xla"
     assert ba.resolve_implementation("auto", backend="tpu") == "pallas"
+    assert ba.resolve_implementation("auto", backend="gpu") == "xla"  # the GPU kernel is chosen explicitly
     assert ba.resolve_implementation("pallas", interpret=True, backend="cpu") == "pallas"
     assert ba.resolve_implementation("reference", backend="tpu") == "reference"
     with pytest.raises(ValueError, match="unknown block attention implementation 'splash'"):

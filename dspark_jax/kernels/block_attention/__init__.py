@@ -10,15 +10,18 @@ all blocks; those of memory and slots are per block.
 
 - `reference.py`: dense `[N*S, T + N*M + N*S]` masked attention (tests and benchmarks only);
 - `xla.py`: a `lax.scan` over chunks of `anchor_chunk` blocks, memory-bounded, any backend;
-- `pallas.py`: the Pallas kernel with `BlockSizes`; query tiles skip the context past their largest
-  anchor; compiled on TPU (Mosaic), or anywhere with `interpret=True`.
+- `pallas.py`: the Pallas kernels with `BlockSizes`, one per platform (`pallas_tpu.py` for TPU through
+  Mosaic, `pallas_gpu.py` for NVIDIA Hopper through Mosaic GPU) behind one custom VJP; query tiles skip
+  the context past their largest anchor; `interpret=True` runs them anywhere.
 
-`implementation='auto'` picks Pallas on a backend with a Pallas lowering of this kernel (TPU) and XLA
-elsewhere; `'pallas'` on a backend without one falls back to XLA and says so once in the log. The
-backend is the platform being compiled for: that of the devices of the mesh set with `jax.set_mesh`
-(ahead-of-time compiles for a TPU topology from a CPU host, `dspark_jax.train.aot`), else JAX's
-default backend. The kernel's tiles (`BlockSizes`) are the config keys `draft.attention_block_q` and
-`draft.attention_block_k`.
+`implementation='pallas'` runs the kernel of the backend (TPU, or a GPU: Hopper, 16-bit inputs); on a
+backend without one, or fp32 inputs on a GPU, it falls back to XLA and says so once in the log.
+`'auto'` picks Pallas on `AUTO_BACKENDS` (TPU) and XLA elsewhere: the GPU kernel is tested in JAX's GPU
+interpret mode and compiled for H200 ahead of time on a CPU host, but not yet run on a GPU, so it is
+chosen explicitly until `benchmarks/gpu_check.sh` has passed on one. The backend is the platform being
+compiled for: that of the devices of the mesh set with `jax.set_mesh` (ahead-of-time compiles for a
+topology from a CPU host, `dspark_jax.train.aot`), else JAX's default backend. The kernels' tiles
+(`BlockSizes`) are the config keys `draft.attention_block_q` and `draft.attention_block_k`.
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ import logging
 
 import jax
 
+from dspark_jax.kernels.block_attention import pallas_gpu
 from dspark_jax.kernels.block_attention.common import BlockMemory
 from dspark_jax.kernels.block_attention.pallas import DEFAULT_BLOCK_SIZES, BlockSizes, block_attention_pallas
 from dspark_jax.kernels.block_attention.reference import block_attention_reference
 from dspark_jax.kernels.block_attention.xla import block_attention_xla
 
 __all__ = [
+    "AUTO_BACKENDS",
     "DEFAULT_BLOCK_SIZES",
     "IMPLEMENTATIONS",
+    "PALLAS_BACKENDS",
     "BlockMemory",
     "BlockSizes",
     "block_attention",
@@ -45,36 +51,48 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla", "reference")
-PALLAS_BACKENDS = ("tpu",)  # backends with a compiled lowering of the Pallas kernel
+PALLAS_BACKENDS = ("tpu", "gpu")  # backends with a compiled Pallas kernel
+AUTO_BACKENDS = ("tpu",)  # backends where 'auto' picks it
 _WARNED: set[str] = set()
 
 
 def target_backend() -> str:
-    """The platform being compiled for: the current mesh's devices' (`jax.set_mesh`), else the default."""
+    """The platform being compiled for: the current mesh's devices' (`jax.set_mesh`), else the default;
+    'gpu' for CUDA (a topology's compile-only devices say 'cuda')."""
     device = jax.sharding.get_abstract_mesh().abstract_device
-    return device.platform if device is not None else jax.default_backend()
+    backend = device.platform if device is not None else jax.default_backend()
+    return "gpu" if backend == "cuda" else backend
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message, *args)
 
 
 def resolve_implementation(implementation: str, interpret: bool = False, backend: str | None = None) -> str:
-    """The implementation that runs on `backend` (default `target_backend()`): 'auto' and 'pallas' become
-    'xla' on a backend without a Pallas lowering (unless `interpret`), the latter with one log line per
-    backend."""
+    """The implementation that runs on `backend` (default `target_backend()`): 'auto' is 'pallas' on
+    `AUTO_BACKENDS`, else 'xla'; 'pallas' becomes 'xla' on a backend without a kernel, with one log line
+    per backend; with `interpret` both are 'pallas'."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"unknown block attention implementation {implementation!r}; use one of {IMPLEMENTATIONS}"
         )
     backend = backend or target_backend()
-    if implementation in ("auto", "pallas") and not interpret and backend not in PALLAS_BACKENDS:
-        if implementation == "pallas" and backend not in _WARNED:
-            _WARNED.add(backend)
-            log.warning(
-                "block attention: no Pallas lowering for backend %r (compiled kernels: %s); using the "
-                "chunked XLA implementation",
-                backend,
-                ", ".join(PALLAS_BACKENDS),
-            )
+    if interpret or implementation not in ("auto", "pallas"):
+        return "pallas" if implementation == "auto" else implementation
+    if implementation == "auto":
+        return "pallas" if backend in AUTO_BACKENDS else "xla"
+    if backend not in PALLAS_BACKENDS:
+        _warn_once(
+            backend,
+            "block attention: no Pallas lowering for backend %r (compiled kernels: %s); using the chunked "
+            "XLA implementation",
+            backend,
+            ", ".join(PALLAS_BACKENDS),
+        )
         return "xla"
-    return "pallas" if implementation == "auto" else implementation
+    return "pallas"
 
 
 def block_attention(
@@ -107,7 +125,8 @@ def block_attention(
       anchor_chunk: blocks per chunk of the XLA implementation (and of the Pallas kernel's backward).
       remat: recompute each chunk in the backward pass (XLA implementation).
       block_sizes: the Pallas kernel's tiles.
-      interpret: run the Pallas kernel in interpret mode (any backend; tests).
+      interpret: run the Pallas kernel in interpret mode (any backend; tests): the GPU kernel under a GPU
+        backend, else the TPU one.
     """
     args = (
         q_BxNxSxQxD,
@@ -119,10 +138,20 @@ def block_attention(
         memory,
         starts_BxN,
     )
-    chosen = resolve_implementation(implementation, interpret)
+    backend = target_backend()
+    chosen = resolve_implementation(implementation, interpret, backend)
+    platform = "gpu" if backend == "gpu" else "tpu"  # interpret on CPU: the portable (TPU) kernel
+    if chosen == "pallas" and platform == "gpu" and not pallas_gpu.supports(q_BxNxSxQxD.dtype):
+        _warn_once(
+            f"gpu-{q_BxNxSxQxD.dtype}",
+            "block attention: the GPU kernel takes bf16/f16 inputs, not %s; using the chunked XLA "
+            "implementation",
+            q_BxNxSxQxD.dtype,
+        )
+        chosen = "xla"
     if chosen == "pallas":
         return block_attention_pallas(
-            *args, block_sizes=block_sizes, interpret=interpret, anchor_chunk=anchor_chunk
+            *args, platform=platform, block_sizes=block_sizes, interpret=interpret, anchor_chunk=anchor_chunk
         )
     if chosen == "xla":
         return block_attention_xla(*args, anchor_chunk=anchor_chunk, remat=remat)

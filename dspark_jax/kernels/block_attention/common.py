@@ -1,10 +1,12 @@
-"""What every block attention implementation shares: the per-block memory operand."""
+"""What the block attention implementations share: the per-block memory operand, the masking constant."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import jax
+
+NEG_INF = -1e30  # a finite "minus infinity": masked scores, and a kernel's running max before any visible key
 
 
 class BlockMemory(NamedTuple):

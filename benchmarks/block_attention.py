@@ -4,9 +4,10 @@
       [--implementations=pallas,xla,reference,tokamax:mosaic]
 
 Shapes (the legend's letters): demo B=1 N=64 S=7 T=1024 Q=8 G=2 D=64; paper B=1 N=512 S=7 T=4096 Q=24
-G=2 D=256; random sorted anchors over the row. On a backend without a compiled Pallas kernel (CPU, GPU)
-the Pallas row runs the kernel in interpret mode, which measures the interpreter, not the kernel: it is
-there to show the path runs at that shape. Memory is the compiled program's temporary bytes (XLA's
+G=2 D=256; random sorted anchors over the row. The Pallas row is the backend's compiled kernel (TPU:
+Mosaic; GPU: the Mosaic GPU kernel, bf16 only); on a backend without one (CPU) it runs the TPU kernel
+in interpret mode, which measures the interpreter, not the kernel: it is there to show the path runs
+at that shape. Memory is the compiled program's temporary bytes (XLA's
 memory analysis), the peak working set beyond inputs and outputs. The Pallas kernel's backward is the
 chunked XLA path (custom VJP), so its `fwd+bwd` row adds one Pallas forward to the XLA row's cost.
 

@@ -2,11 +2,13 @@
 # One bounded accelerator check on an NVIDIA GPU (written for one H200: its image's python3 with JAX 0.11 +
 # CUDA 13, no network), about 8 minutes of run time, every stage under its own timeout:
 #
-#   1. the block attention tests (tests/kernels) on the GPU: the chunked XLA path, the dense reference, the
-#      dispatcher and the config keys compiled for the GPU (fp32 matmuls at full precision); the Pallas
-#      kernel's cases run in interpret mode (no Mosaic GPU lowering is written: PALLAS_BACKENDS = tpu);
-#   2. benchmarks/block_attention.py at paper shapes: chunked XLA, dense reference and tokamax's fused
-#      attention (Mosaic GPU, then its own choice) under the dense block mask, with max |d| vs XLA;
+#   1. the block attention tests (tests/kernels) on the GPU: the Mosaic GPU kernel compiled and run on the
+#      GPU against the dense reference (tests/kernels/test_pallas_gpu_block_attention.py; interpret mode
+#      elsewhere), the chunked XLA path, the dispatcher and the config keys (fp32 matmuls at full
+#      precision); the TPU kernel's cases run in interpret mode;
+#   2. benchmarks/block_attention.py at paper shapes: the Mosaic GPU kernel, chunked XLA, dense reference
+#      and tokamax's fused attention (Mosaic GPU, then its own choice) under the dense block mask, with
+#      max |d| vs XLA;
 #   3. benchmarks/train_step.py: the paper micro-step (4 rows, as on each of the seed's 4 GPUs) x 8 per
 #      optimizer step, its time, and MFU against the 989 TFLOP/s dense bf16 peak of an H200 SXM.
 #
@@ -54,7 +56,7 @@ check "tests/kernels on the GPU" "${PIPESTATUS[0]}" "$(tail -1 "$OUT/tests_kerne
 
 echo "== 2. block attention at paper shapes"
 timeout 140 python3 benchmarks/block_attention.py --shapes=paper --passes=fwd,fwd+bwd --repeats=3 \
-  --implementations=xla,reference,tokamax:mosaic,tokamax 2>&1 | tee "$OUT/block_attention_paper.txt"
+  --implementations=pallas,xla,reference,tokamax:mosaic,tokamax 2>&1 | tee "$OUT/block_attention_paper.txt"
 status=${PIPESTATUS[0]}
 python3 - "$OUT/block_attention_paper.txt" <<'EOF'
 import math, sys
@@ -62,10 +64,12 @@ rows = [line.split() for line in open(sys.argv[1]) if line.startswith("paper")]
 fwd = {r[2]: r for r in rows if r[1] == "fwd" and "failed:" not in r}
 assert "xla" in fwd, "no paper fwd xla row"
 assert "reference" in fwd and float(fwd["reference"][-1]) < 5e-2, "xla differs from the dense reference"
+assert "pallas" in fwd and float(fwd["pallas"][-1]) < 5e-2, "the Mosaic GPU kernel differs from xla"
+print(f"Mosaic GPU kernel {fwd['pallas'][3]} ms vs xla {fwd['xla'][3]} ms")
 tokamax = [k for k in fwd if k.startswith("tokamax")]
 print("tokamax rows:", ", ".join(f"{k} {fwd[k][3]} ms max|d| {fwd[k][-1]}" for k in tokamax) or "none ran")
 EOF
-check "block attention benchmark (xla vs reference at paper shapes)" $((status || $?))
+check "block attention benchmark (Mosaic GPU kernel, xla, reference at paper shapes)" $((status || $?))
 
 echo "== 3. paper train step and MFU"
 timeout 200 python3 benchmarks/train_step.py --presets=paper --shape_only --steps=3 --peak_tflops=989 \

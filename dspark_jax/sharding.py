@@ -70,14 +70,58 @@ def activation_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[No
         _ACTIVE.pop()
 
 
+def _active() -> bool:
+    """An activation sharding is active and this is not a `shard_map` body (no manual mesh axes)."""
+    return bool(_ACTIVE) and not jax.sharding.get_abstract_mesh().manual_axes
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
-    """`x` with a sharding constraint from its logical axes (identity outside `activation_sharding`)."""
-    if not _ACTIVE:
+    """`x` with a sharding constraint from its logical axes (identity outside `activation_sharding`, and
+    inside `per_shard`, where every array is one device's shard)."""
+    if not _active():
         return x
     mesh, rules = _ACTIVE[-1]
     return jax.lax.with_sharding_constraint(
         x, NamedSharding(mesh, logical_to_spec(axes, x.shape, mesh, rules))
     )
+
+
+def constrain_state(state: nnx.State) -> nnx.State:
+    """An NNX state (parameters, or gradients shaped like them) pinned to its variables' `axes` layout
+    (identity where `constrain` is): FSDP gradients reduce-scattered to their shards, not all-reduced to a
+    whole copy on every device."""
+    if not _active():
+        return state
+    mesh, rules = _ACTIVE[-1]
+    return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, rules))
+
+
+def per_shard(fn, in_axes, out_axes: Sequence[str | None]):
+    """`fn` run on each device's shard (`jax.shard_map`) under an active multi-device
+    `activation_sharding`; `fn` itself elsewhere.
+
+    For computations XLA cannot partition itself, such as Pallas (Mosaic) kernels. `in_axes` is one entry
+    per positional argument: a tuple of logical axes for an array, or a pytree of such tuples for a pytree
+    argument (None args take None). Only the 'batch' logical axis is split; every other axis is whole on
+    each device (an argument sharded along it, e.g. heads over 'tensor', is gathered first), so `fn` must
+    be independent across batch rows.
+    """
+    if not _ACTIVE or _ACTIVE[-1][0].size == 1:
+        return fn
+    mesh, rules = _ACTIVE[-1]
+    is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+    def wrapped(*args):
+        batch_only = lambda axes: tuple(a if a == "batch" else None for a in axes)
+        spec = lambda axes, x: logical_to_spec(batch_only(axes), x.shape, mesh, rules)
+        in_specs = tuple(
+            jax.tree.map(spec, axes, arg, is_leaf=is_axes) if arg is not None else None
+            for axes, arg in zip(in_axes, args, strict=True)
+        )
+        out_spec = spec(out_axes, jax.eval_shape(fn, *args))
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
+
+    return wrapped
 
 
 def make_mesh(shape: Mapping[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:

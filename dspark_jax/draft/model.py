@@ -15,6 +15,7 @@ or a different Markov head.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -24,7 +25,13 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax import sharding
-from dspark_jax.kernels.block_attention import DEFAULT_BLOCK_SIZES, BlockMemory, BlockSizes, block_attention
+from dspark_jax.kernels.block_attention import (
+    DEFAULT_BLOCK_SIZES,
+    BlockMemory,
+    BlockSizes,
+    block_attention,
+    resolve_implementation,
+)
 from dspark_jax.nn import DecoderBlock, Dtype, Linear, RMSNorm, apply_rope, normal_init
 
 
@@ -197,20 +204,20 @@ class DraftLayer(DecoderBlock):
                 memory.valid_BxNxM,
             )
         blocks = lambda t: t.reshape(b, n, s, *t.shape[2:])
-        out = block_attention(
-            blocks(q),
-            k_ctx,
-            v_ctx,
-            blocks(k_blk),
-            blocks(v_blk),
-            anchors_BxN,
-            memory_kv,
-            starts_BxN,
+        attend = functools.partial(
+            block_attention,
             implementation=self.cfg.attention,
             anchor_chunk=self.cfg.anchor_chunk,
             remat=self.cfg.remat,
             block_sizes=BlockSizes(self.cfg.attention_block_q, self.cfg.attention_block_k),
         )
+        if resolve_implementation(self.cfg.attention) == "pallas":  # XLA cannot partition a Mosaic kernel
+            blk, ctx = ("batch", None, None, "kv_heads", None), ("batch", None, "kv_heads", None)
+            mem = None if memory_kv is None else BlockMemory(blk, blk, ("batch", None, None))
+            in_axes = (("batch", None, None, "heads", None), ctx, ctx, blk, blk, ("batch", None), mem)
+            attend = sharding.per_shard(attend, (*in_axes, ("batch", None)), in_axes[0])
+        kv_blk = blocks(k_blk), blocks(v_blk)
+        out = attend(blocks(q), k_ctx, v_ctx, *kv_blk, anchors_BxN, memory_kv, starts_BxN)
         return self.finish(x_BxNxSxH, out)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Sequence
 
 import jax
@@ -44,6 +45,13 @@ def _analysis(compiled) -> dict[str, int]:
         "generated_code_size_in_bytes",
     )
     return {name: int(getattr(m, name)) for name in fields}
+
+
+def kernels(compiled) -> list[str]:
+    """The Pallas kernels in a compiled program (Mosaic custom calls: 'tpu_custom_call' for TPU,
+    'mosaic_gpu...' for GPU), by custom-call target; [] when it has none."""
+    targets = set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text() or ""))
+    return sorted(t for t in targets if t == "tpu_custom_call" or t.startswith("mosaic"))
 
 
 def _placed(tree, shardings):
@@ -121,7 +129,7 @@ def step_memory(
     # Traced under the mesh: the block attention dispatcher and Pallas lower for the mesh's platform.
     with jax.set_mesh(mesh), sharding.activation_sharding(mesh, rules):
         micro = jax.jit(micro_fn).lower(params, rest, frozen, batch).compile()
-    accumulators = _placed(jax.eval_shape(micro_fn, params, rest, frozen, batch), micro.output_shardings)
+        accumulators = _placed(jax.eval_shape(micro_fn, params, rest, frozen, batch), micro.output_shardings)
     grads, sums = accumulators
     _, optimizer = components.make_training_optimizer(config, params)
     opt_state = _placed(
@@ -171,6 +179,7 @@ def step_memory(
         "micro_batch_per_shard": micro_batch,
         "global_micro_batch": rows,
         "micro_step": micro_mem,
+        "kernels": kernels(micro),
         "update": update_mem,
         "per_device_bytes": per_device,
         "estimated_peak_bytes": peak,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dspark_jax import sharding
 from dspark_jax.draft import objective
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.experiments import Experiment
@@ -74,7 +75,8 @@ def micro_step(
 
     group_numerators, pullback, sums = jax.vjp(numerators, trainable, has_aux=True)
     groups = group_numerators.shape[0]
-    grads = tuple(pullback(jax.nn.one_hot(g, groups, dtype=group_numerators.dtype))[0] for g in range(groups))
+    one_hot = lambda g: jax.nn.one_hot(g, groups, dtype=group_numerators.dtype)
+    grads = tuple(sharding.constrain_state(pullback(one_hot(g))[0]) for g in range(groups))
     return grads, sums
 
 

@@ -1,5 +1,6 @@
 """The Pallas block attention kernel (interpret mode on CPU) against the dense reference; the dispatcher."""
 
+import functools
 import logging
 
 import jax
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspark_jax import sharding
 from dspark_jax.kernels import block_attention as ba
 from dspark_jax.kernels.block_attention import BlockMemory, BlockSizes, block_attention
 
@@ -97,6 +99,24 @@ def test_gradients_equal_the_dense_reference(layout, ratio, memory_slots):
     got = grads("pallas", interpret=True, block_sizes=SIZES)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=5e-5, rtol=5e-5)
+
+
+def test_the_kernel_runs_per_shard_under_a_multi_device_mesh(mesh8):
+    """XLA cannot partition a Mosaic kernel: under a multi-device activation sharding `sharding.per_shard`
+    runs it on each device's batch rows (heads gathered over 'tensor'), with one device's numbers."""
+    parts = [_inputs("packed_samples", 4, 3, seed=i) for i in range(2)]
+    args, memory, starts = jax.tree.map(lambda *x: jnp.concatenate(x), *parts)  # B = 4 = data 2 x fsdp 2
+    attend = functools.partial(block_attention, implementation="pallas", interpret=True, block_sizes=SIZES)
+    want = attend(*args, memory, starts)
+    ctx, blk = ("batch", None, "kv_heads", None), ("batch", None, None, "kv_heads", None)
+    rows = ("batch", None)
+    mem = BlockMemory(blk, blk, ("batch", None, None))
+    in_axes = (("batch", None, None, "heads", None), ctx, ctx, blk, blk, rows, mem, rows)
+    with sharding.activation_sharding(mesh8):
+        got = jax.jit(sharding.per_shard(attend, in_axes, in_axes[0]))(*args, memory, starts)
+    assert got.sharding.spec[0] == ("data", "fsdp")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+    assert sharding.per_shard(attend, in_axes, in_axes[0]) is attend  # no active sharding: unchanged
 
 
 def test_tile_ranges_skip_context_past_the_largest_anchor():

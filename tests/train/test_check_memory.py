@@ -43,6 +43,9 @@ def test_sharded_devices_split_state_and_batch():
     assert eight["global_micro_batch"] == 16 and per["batch"] == per1["batch"]  # 2 rows on each device
     assert per["parameters"] < per1["parameters"]
     assert 0 < per["optimizer_state"] - 2 * per["parameters"] <= 16  # the moments laid out like their weights
+    # Gradients leave the micro-step on their weights' shards (reduce-scattered; plus the few loss sums).
+    sums = per["gradient_accumulators"] - per["parameters"]
+    assert 0 < sums <= 4096 and per1["gradient_accumulators"] - per1["parameters"] == sums
     assert per["frozen_target"] * 8 == per1["frozen_target"]  # ('vocab', 'embed'): hidden 64 over fsdp=8
 
 

@@ -125,8 +125,8 @@ def block_attention(
       anchor_chunk: blocks per chunk of the XLA implementation (and of the Pallas kernel's backward).
       remat: recompute each chunk in the backward pass (XLA implementation).
       block_sizes: the Pallas kernel's tiles.
-      interpret: run the Pallas kernel in interpret mode (any backend; tests): the GPU kernel under a GPU
-        backend, else the TPU one.
+      interpret: run the portable (TPU) Pallas kernel in interpret mode on any backend (tests; the GPU
+        kernel's: `pallas.block_attention_pallas(..., platform='gpu', interpret=True)`).
     """
     args = (
         q_BxNxSxQxD,
@@ -140,7 +140,7 @@ def block_attention(
     )
     backend = target_backend()
     chosen = resolve_implementation(implementation, interpret, backend)
-    platform = "gpu" if backend == "gpu" else "tpu"  # interpret on CPU: the portable (TPU) kernel
+    platform = "gpu" if backend == "gpu" and not interpret else "tpu"
     if chosen == "pallas" and platform == "gpu" and not pallas_gpu.supports(q_BxNxSxQxD.dtype):
         _warn_once(
             f"gpu-{q_BxNxSxQxD.dtype}",

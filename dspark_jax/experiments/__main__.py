@@ -2,7 +2,7 @@
 
   python -m dspark_jax.experiments --suite=seed --preset=demo [--workdir=DIR] [--report_dir=DIR] \
       [--groups=baseline,memory] [--override=KEY=VALUE ...] [--limit=N] [--max_new_tokens=N] \
-      [--concurrency=C] [--report_only]
+      [--concurrency=C] [--settings=0:fixed,1:confidence] [--report_only]
 
 The `seed` suite trains the seed's seven groups at the preset's step budget on one shared cache (the frozen
 reranker on top of the baseline's final checkpoint), fits each confidence head's STS calibration, decodes
@@ -35,6 +35,9 @@ _OVERRIDES = flags.DEFINE_multi_string("override", [], "KEY=VALUE for every grou
 _LIMIT = flags.DEFINE_integer("limit", None, "Prompts decoded per setting (0 = all); default: the preset's.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "New tokens per reply; default: the preset's.")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", None, "Requests decoded together; default: the preset's.")
+_SETTINGS = flags.DEFINE_list(
+    "settings", [], "Decoding settings TEMPERATURE:SCHEDULE (fixed, confidence); default: the preset's."
+)
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Rewrite the report from the work directory only.")
 PREEMPTED_STATUS = 75
 
@@ -53,11 +56,17 @@ def main(argv):
             f"must be >= 1, got {_CONCURRENCY.value}",
         ),
     )
+    settings = plan.parse_settings(_SETTINGS.value)
     name = f"{_SUITE.value}-{_PRESET.value}"
     workdir = _WORKDIR.value or str(REPO_ROOT / "workdirs" / f"suite-{name}")
     report_dir = _REPORT_DIR.value or str(REPO_ROOT / "reports" / name)
     protocol = plan.PROTOCOLS[_PRESET.value]
-    given = {"limit": _LIMIT.value, "max_new_tokens": _MAX_NEW.value, "concurrency": _CONCURRENCY.value}
+    given = {
+        "limit": _LIMIT.value,
+        "max_new_tokens": _MAX_NEW.value,
+        "concurrency": _CONCURRENCY.value,
+        "settings": settings or None,
+    }
     protocol = dataclasses.replace(protocol, **{k: v for k, v in given.items() if v is not None})
     suite = SuiteRun(
         _SUITE.value,

@@ -42,7 +42,26 @@ SUITES: dict[str, tuple[Group, ...]] = {
 }
 
 
-ALL_SETTINGS = ((0.0, "fixed"), (0.0, "confidence"), (1.0, "fixed"), (1.0, "confidence"))
+SCHEDULES = ("fixed", "confidence")
+ALL_SETTINGS = tuple((t, schedule) for t in (0.0, 1.0) for schedule in SCHEDULES)
+
+
+def parse_settings(items: Sequence[str]) -> tuple[tuple[float, str], ...]:
+    """Decoding settings from `TEMPERATURE:SCHEDULE` items (`['0:fixed', '1:confidence']`)."""
+    settings = []
+    for item in items:
+        temperature, _, schedule = item.partition(":")
+        try:
+            value = float(temperature)
+        except ValueError:
+            value = -1.0
+        if value < 0 or schedule not in SCHEDULES:
+            raise UsageError(
+                f"--settings item {item!r}: expected TEMPERATURE:SCHEDULE with a temperature >= 0 and a "
+                f"schedule in {SCHEDULES}, e.g. 0:fixed,1:confidence"
+            )
+        settings.append((value, schedule))
+    return tuple(settings)
 
 
 @dataclasses.dataclass(frozen=True)

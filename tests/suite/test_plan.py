@@ -31,6 +31,11 @@ def test_overrides_apply_to_every_group_that_has_the_key():
     assert engram.engram.fit_limit == 2 and "engram" not in base
 
 
+def test_settings_parse_in_order():
+    assert plan.parse_settings(["0:fixed", "1:confidence"]) == ((0.0, "fixed"), (1.0, "confidence"))
+    assert plan.parse_settings([f"{t:g}:{s}" for t, s in plan.ALL_SETTINGS]) == plan.ALL_SETTINGS
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -49,6 +54,9 @@ def test_overrides_apply_to_every_group_that_has_the_key():
             "train.stop_step=abc",
         ),
         (lambda: plan.group_config(plan.groups("seed")[0], "smoke", ["data.pack=maybe"]), "true or false"),
+        (lambda: plan.parse_settings(["0:greedy"]), "'0:greedy': expected TEMPERATURE:SCHEDULE"),
+        (lambda: plan.parse_settings(["hot:fixed"]), "'hot:fixed'"),
+        (lambda: plan.parse_settings(["-1:fixed"]), "temperature >= 0"),
     ],
 )
 def test_bad_suite_input_is_one_clear_error(call, message):

@@ -124,9 +124,12 @@ def config_overrides(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def unknown_override(argv: Sequence[str], default: str | None) -> str | None:
-    """A message naming the first `--config.KEY` that the config file lacks, with the nearest keys."""
+    """A message naming the first `--config.KEY` that the config file lacks, with the nearest keys; None
+    when every key is known or there is none (the AttributeError was not about an override)."""
     spec, keys = config_overrides(argv)
     spec = spec or default
+    if not keys:
+        return None
     if spec is None:
         return "--config.KEY overrides need --config=FILE[:preset]"
     path, _, preset = spec.partition(":")

@@ -89,11 +89,19 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 def constrain_state(state: nnx.State) -> nnx.State:
     """An NNX state (parameters, or gradients shaped like them) pinned to its variables' `axes` layout
     (identity where `constrain` is): FSDP gradients reduce-scattered to their shards, not all-reduced to a
-    whole copy on every device."""
+    whole copy on every device. Variables without a value (a `split_trainable` half) stay as they are."""
     if not _active():
         return state
     mesh, rules = _ACTIVE[-1]
-    return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, rules))
+
+    def one(variable: nnx.Variable):
+        value = variable.get_value()
+        if value is None:
+            return variable
+        spec = logical_to_spec(variable.get_metadata().get("axes"), value.shape, mesh, rules)
+        return variable.replace(jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec)))
+
+    return jax.tree.map(one, state, is_leaf=_is_variable)
 
 
 def per_shard(fn, in_axes, out_axes: Sequence[str | None]):

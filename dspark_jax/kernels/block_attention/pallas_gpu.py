@@ -264,8 +264,6 @@ def forward(
 
 def _interpret_params():
     """JAX's GPU interpret mode (not exported by `jax.experimental.pallas.mosaic_gpu` in JAX 0.10)."""
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError as e:
-        raise NotImplementedError(f"this JAX ({jax.__version__}) has no Mosaic GPU interpret mode") from e
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
     return InterpretGPUParams()

@@ -11,7 +11,7 @@ import ast
 import dataclasses
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dspark_jax import config_lib
 from dspark_jax.cli import REPO_ROOT, with_absolute_paths
@@ -103,6 +103,24 @@ def groups(suite: str, names: Sequence[str] = ()) -> tuple[Group, ...]:
             name = members[name].starts_from
             wanted.add(name)
     return tuple(g for g in SUITES[suite] if g.name in wanted)
+
+
+def command_line(record: Mapping) -> str:
+    """The `python -m dspark_jax.experiments` command of a suite record (`suite.json`): every flag whose value
+    differs from the preset's default, so a report names the budget and protocol it was run at."""
+    suite, preset, protocol = record["suite"], record["preset"], record["protocol"]
+    default = PROTOCOLS[preset]
+    flags = [f"--suite={suite}", f"--preset={preset}"]
+    if record["groups"] != [g.name for g in SUITES[suite]]:
+        flags.append("--groups=" + ",".join(record["groups"]))
+    flags += [f"--override={o}" for o in record["overrides"]]
+    for name in ("limit", "max_new_tokens", "concurrency"):
+        if protocol[name] != getattr(default, name):
+            flags.append(f"--{name}={protocol[name]}")
+    settings = tuple((float(t), s) for t, s in protocol["settings"])
+    if settings != default.settings:
+        flags.append("--settings=" + ",".join(f"{t:g}:{s}" for t, s in settings))
+    return " ".join(["python -m dspark_jax.experiments", *flags])
 
 
 def _value(text: str, current):

@@ -261,9 +261,7 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
     text = [
         f"# Suite `{record['suite']}`, preset `{record['preset']}`",
         "",
-        "Command: `python -m dspark_jax.experiments --suite={} --preset={}{}`".format(
-            record["suite"], record["preset"], "".join(f" --override={o}" for o in record["overrides"])
-        ),
+        f"Command: `{plan.command_line(record)}`",
         "",
         "## Results",
         "",

@@ -36,6 +36,27 @@ def test_settings_parse_in_order():
     assert plan.parse_settings([f"{t:g}:{s}" for t, s in plan.ALL_SETTINGS]) == plan.ALL_SETTINGS
 
 
+def test_command_line_names_every_flag_that_differs_from_the_preset():
+    protocol = {"limit": 16, "max_new_tokens": 96, "concurrency": 1, "settings": plan.ALL_SETTINGS}
+    record = {
+        "suite": "seed",
+        "preset": "demo",
+        "groups": [g.name for g in plan.groups("seed")],
+        "overrides": [],
+        "protocol": protocol,
+    }
+    assert plan.command_line(record) == "python -m dspark_jax.experiments --suite=seed --preset=demo"
+    record |= {
+        "groups": ["baseline", "memory"],
+        "overrides": ["train.stop_step=160"],
+        "protocol": protocol | {"limit": 4, "settings": [[0, "fixed"], [1, "confidence"]]},
+    }
+    assert plan.command_line(record) == (
+        "python -m dspark_jax.experiments --suite=seed --preset=demo --groups=baseline,memory"
+        " --override=train.stop_step=160 --limit=4 --settings=0:fixed,1:confidence"
+    )
+
+
 @pytest.mark.parametrize(
     "call, message",
     [

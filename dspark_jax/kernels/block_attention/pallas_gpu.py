@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dspark_jax.kernels.block_attention.common import NEG_INF, BlockMemory
+from dspark_jax.kernels.block_attention.common import NEG_INF, BlockMemory, per_kv_head
 
 ROWS = 64  # query rows per program: one warpgroup's WGMMA tile
 SMEM_BYTES = 227 * 1024  # shared memory per block on Hopper (H100, H200)
@@ -229,9 +229,8 @@ def forward(
         local_v = jnp.concatenate([v_blk, memory.v_BxNxMxGxD.astype(v_blk.dtype)], axis=2)
         owner_mem = jnp.where(memory.valid_BxNxM, block_N[None, :, None], -2)
         owner_local = jnp.concatenate([owner_local, owner_mem.astype(jnp.int32)], axis=2)
-    per_head = lambda x: x.reshape(b, -1, g, d).transpose(0, 2, 1, 3)  # [B, ..., G, D] -> [B, G, ..., D]
     keys = lambda ctx, local: jnp.concatenate(
-        [_pad_to(per_head(ctx), 2, tile), _pad_to(per_head(local), 2, tile)], axis=2
+        [_pad_to(per_kv_head(ctx), 2, tile), _pad_to(per_kv_head(local), 2, tile)], axis=2
     )
     kt_BxGxDxT = keys(k_ctx, local_k).transpose(0, 1, 3, 2)  # T here: all keys, context then local
     v_BxGxTxD = keys(v_ctx, local_v)

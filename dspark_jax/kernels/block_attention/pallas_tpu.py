@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dspark_jax.kernels.block_attention.common import NEG_INF, BlockMemory
+from dspark_jax.kernels.block_attention.common import NEG_INF, BlockMemory, per_kv_head
 
 
 def tile_ranges(anchors_BxN: jax.Array, starts_BxN: jax.Array, block_q: int, t: int) -> jax.Array:
@@ -100,12 +100,6 @@ def _kernel(
     o_ref[...] = (acc_RxD / l_Rx1).astype(o_ref.dtype)
 
 
-def _per_head(x_BxNxSxGxD):
-    """`[B, N, S, G, D]` keys/values of blocks -> `[B, G, N*S, D]`."""
-    b, n, s, g, d = x_BxNxSxGxD.shape
-    return x_BxNxSxGxD.transpose(0, 3, 1, 2, 4).reshape(b, g, n * s, d)
-
-
 def forward(
     q,
     k_ctx,
@@ -145,8 +139,8 @@ def forward(
         per_row(starts),
         kc_BxGxTxD,
         vc_BxGxTxD,
-        _per_head(k_blk),
-        _per_head(v_blk),
+        per_kv_head(k_blk),
+        per_kv_head(v_blk),
     ]
     specs = [q_spec, row_spec, row_spec, ctx_spec, ctx_spec, own_spec, own_spec]
     m = 0
@@ -156,7 +150,7 @@ def forward(
         # One [1, tq*M] slab per query tile: Mosaic takes a block equal to the array's last two dims at any
         # width, not a (1, tq*M) window of a [1, N*M] row unless tq*M is a multiple of 128 lanes.
         valid = pad_n(memory.valid_BxNxM).reshape(b, n_all // tq, 1, tq * m).astype(jnp.int32)
-        inputs += [_per_head(pad_n(memory.k_BxNxMxGxD)), _per_head(pad_n(memory.v_BxNxMxGxD)), valid]
+        inputs += [per_kv_head(pad_n(memory.k_BxNxMxGxD)), per_kv_head(pad_n(memory.v_BxNxMxGxD)), valid]
         specs += [
             mem_spec,
             mem_spec,

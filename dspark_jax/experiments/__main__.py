@@ -80,7 +80,7 @@ def main(argv):
         try:
             suite.run()
         except Preempted as e:
-            print(f"{e} (suite {workdir}); rerun the same command to resume", file=sys.stderr)
+            print(f"{e} (suite work directory {workdir})", file=sys.stderr)
             sys.exit(PREEMPTED_STATUS)
     path = report.write_report(workdir, report_dir)
     print(f"report: {path}\nwork directory: {workdir}")

@@ -71,26 +71,40 @@ def _nucleus_probs(logits_BxV: np.ndarray, params: SamplingParams) -> np.ndarray
     return out / out.sum(-1, keepdims=True)
 
 
-@functools.partial(jax.jit, static_argnames="params")
-def _cycle(anchor_B, rng, target_VxV, draft_VxV, params):
-    """One cycle per row: sample S drafts sequentially from the Markov draft, then accept."""
-    draft_rng, accept_rng = jax.random.split(rng)
+def biased_at_position_3(draft_BxS, draft_logits_BxSxV, target_logits_BxS1xV, rng, params, lengths_B=None):
+    """A deliberately defective rule for power checks: `accept_sampling`, except that a draft rejected
+    at position 3 (the fourth) is accepted anyway half of the time, the next token then drawn from `p_4`."""
+    num_B, next_B = accept_sampling(
+        draft_BxS, draft_logits_BxSxV, target_logits_BxS1xV, rng, params, lengths_B
+    )
+    flip_B = (num_B == 3) & jax.random.bernoulli(jax.random.fold_in(rng, 99), 0.5, num_B.shape)
+    bonus_B = sample(target_logits_BxS1xV[:, 4], jax.random.fold_in(rng, 98), params)
+    return jnp.where(flip_B, 4, num_B), jnp.where(flip_B, bonus_B, next_B)
+
+
+@functools.partial(jax.jit, static_argnames=("params", "s", "accept", "capped"))
+def _cycle(anchor_B, rng, target_VxV, draft_VxV, params, s=S, accept=accept_sampling, capped=False):
+    """One cycle per row: sample `s` drafts sequentially from the Markov draft, then accept; `capped`
+    verifies a random number `0..s` of them per row (a prefix scheduler's cap, chosen before the verdicts).
+    Returns the accepted counts and the `s + 1` emitted slots (-1 past the emitted ones)."""
+    draft_rng, accept_rng, cap_rng = jax.random.split(rng, 3)
     tokens, draft_logits = [anchor_B], []
-    for i in range(S):
+    for i in range(s):
         draft_logits.append(draft_VxV[tokens[-1]])
         tokens.append(sample(draft_logits[-1], jax.random.fold_in(draft_rng, i), params))
     seq_BxS1 = jnp.stack(tokens, axis=1)
-    num_B, next_B = accept_sampling(
-        seq_BxS1[:, 1:], jnp.stack(draft_logits, axis=1), target_VxV[seq_BxS1], accept_rng, params
+    lengths_B = jax.random.randint(cap_rng, anchor_B.shape, 0, s + 1) if capped else None
+    num_B, next_B = accept(
+        seq_BxS1[:, 1:], jnp.stack(draft_logits, axis=1), target_VxV[seq_BxS1], accept_rng, params, lengths_B
     )
-    position_S1 = jnp.arange(S + 1)
+    position_S1 = jnp.arange(s + 1)
     drafts_BxS1 = jnp.pad(seq_BxS1[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
     last_BxS1 = jnp.where(position_S1 == num_B[:, None], next_B[:, None], -1)
     emitted_BxS1 = jnp.where(position_S1 < num_B[:, None], drafts_BxS1, last_BxS1)
     return num_B, emitted_BxS1
 
 
-def _chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
+def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
     """Goodness of fit of `samples` (ints) to `probs`; cells with expected count < 5 are pooled."""
     probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
     counts = np.bincount(samples, minlength=probs.size)
@@ -103,43 +117,97 @@ def _chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
     return float(chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue)
 
 
+def joint_cells(streams_RxN: np.ndarray, v: int) -> np.ndarray:
+    """Each row's `N` tokens as one cell of the `v ** N` joint outcomes (first token most significant)."""
+    return streams_RxN.astype(np.int64) @ (v ** np.arange(streams_RxN.shape[1])[::-1])
+
+
 CASES = {
     "t1.0": (SamplingParams(1.0), False),
     "t0.7_p0.9": (SamplingParams(0.7, 0.9), False),
     "identical_draft": (SamplingParams(1.0), True),
 }
+V_JOINT, S_JOINT, B_JOINT = 3, 4, 60_000  # 3 ** 5 joint outcomes of a whole cycle's S + 1 tokens
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_sampling_is_lossless(case):
-    params, identical = CASES[case]
-    rng = np.random.default_rng(1)
-    target_VxV = rng.normal(scale=1.5, size=(V, V)).astype(np.float32)
-    draft_VxV = target_VxV if identical else rng.normal(scale=1.5, size=(V, V)).astype(np.float32)
-    key1, key2 = jax.random.split(jax.random.key(7))
-    num1, emitted1 = _cycle(
-        jnp.full((B,), ANCHOR), key1, jnp.asarray(target_VxV), jnp.asarray(draft_VxV), params
-    )
-    # A second cycle from the emitted token where the first emitted only one.
-    _, emitted2 = _cycle(emitted1[:, 0], key2, jnp.asarray(target_VxV), jnp.asarray(draft_VxV), params)
-    num1, emitted1, emitted2 = np.asarray(num1), np.asarray(emitted1), np.asarray(emitted2)
-    first = emitted1[:, 0]
-    second = np.where(num1 >= 1, emitted1[:, 1], emitted2[:, 0])
+def _markov_pair(seed=1, identical=False, v=V_JOINT):
+    rng = np.random.default_rng(seed)
+    target_VxV = rng.normal(scale=1.5, size=(v, v)).astype(np.float32)
+    draft_VxV = target_VxV if identical else rng.normal(scale=1.5, size=(v, v)).astype(np.float32)
+    return target_VxV, draft_VxV
 
+
+def _speculated_stream(target_VxV, draft_VxV, params, n, accept=accept_sampling, capped=False):
+    """The first `n` tokens after the anchor, `[B_JOINT, n]`, by speculative cycles from each row's last
+    token (the first cycle alone emits up to S + 1 = n of them); and the first cycle's accepted counts."""
+    stream = np.full((B_JOINT, n + S_JOINT + 1), -1)
+    count, last = np.zeros(B_JOINT, int), jnp.full((B_JOINT,), ANCHOR)
+    rows, first_num = np.arange(B_JOINT), None
+    for c in range(n):
+        num, emitted = _cycle(
+            last,
+            jax.random.key(c),
+            jnp.asarray(target_VxV),
+            jnp.asarray(draft_VxV),
+            params,
+            S_JOINT,
+            accept,
+            capped,
+        )
+        num, emitted = np.asarray(num), np.asarray(emitted)
+        first_num = num if first_num is None else first_num
+        for k in range(S_JOINT + 1):
+            write = (k <= num) & (count + k < stream.shape[1])
+            stream[rows[write], (count + k)[write]] = emitted[write, k]
+        count += num + 1
+        last = jnp.asarray(emitted[rows, num])
+    return stream[:, :n], first_num
+
+
+def _joint_pvalue(target_VxV, draft_VxV, params, accept=accept_sampling, capped=False):
+    """Chi-square p-value of the joint distribution of the S + 1 tokens after the anchor against the Markov
+    target's, `p(x_1..x_5) = prod p(x_k | x_{k-1})`; and the first cycle's accepted counts."""
+    n = S_JOINT + 1
+    stream, num = _speculated_stream(target_VxV, draft_VxV, params, n, accept, capped)
     p_VxV = _nucleus_probs(target_VxV, params)  # row: previous token
-    p_first = p_VxV[ANCHOR]
-    p_pair = (p_first[:, None] * p_VxV).ravel()
-    p_values = (_chi_square_p(first, p_first), _chi_square_p(first * V + second, p_pair))
-    print(
-        f"{case}: chi-square p first={p_values[0]:.4f} pair={p_values[1]:.4f} mean accepted={num1.mean():.3f}"
-    )
-    assert min(p_values) > P_MIN
+    joint = p_VxV[ANCHOR]  # over x_1; each step appends x_k as the least significant digit
+    for _ in range(n - 1):
+        joint = (joint[:, None] * p_VxV[np.arange(joint.size) % V_JOINT]).ravel()
+    return chi_square_p(joint_cells(stream, V_JOINT), joint), num
 
-    # The first draft is accepted with probability sum_x min(p_0(x), q_0(x)).
-    accept_rate = np.minimum(p_first, _nucleus_probs(draft_VxV, params)[ANCHOR]).sum()
-    assert abs((num1 >= 1).mean() - accept_rate) < 5 * np.sqrt(accept_rate * (1 - accept_rate) / B) + 1e-6
-    if identical:
-        assert (num1 == S).mean() > 0.999
+
+@pytest.mark.parametrize("capped", [False, True], ids=["all_verified", "capped"])
+@pytest.mark.parametrize("case", CASES)
+def test_sampling_is_lossless_jointly_over_a_whole_cycle(case, capped):
+    """All S + 1 tokens a cycle can emit, jointly (243 cells), follow the target: every accepted-length
+    path, the residual draws and the bonus draw, and with a per-row verification cap the bonus at the cap."""
+    params, identical = CASES[case]
+    target_VxV, draft_VxV = _markov_pair(identical=identical)
+    p_value, num = _joint_pvalue(target_VxV, draft_VxV, params, capped=capped)
+    print(
+        f"{case} capped={capped}: joint chi-square p={p_value:.4f}, accepted {np.bincount(num, minlength=5)}"
+    )
+    assert p_value > P_MIN
+    if identical and not capped:
+        assert (num == S_JOINT).mean() > 0.999
+    else:
+        assert np.all(np.bincount(num, minlength=S_JOINT + 1) > 0.02 * B_JOINT)  # every path well sampled
+    if not capped:
+        # The first draft is accepted with probability sum_x min(p_0(x), q_0(x)).
+        accept_rate = np.minimum(
+            _nucleus_probs(target_VxV, params)[ANCHOR], _nucleus_probs(draft_VxV, params)[ANCHOR]
+        ).sum()
+        bound = 5 * np.sqrt(accept_rate * (1 - accept_rate) / B_JOINT) + 1e-6
+        assert abs((num >= 1).mean() - accept_rate) < bound
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["all_verified", "capped"])
+def test_the_joint_test_rejects_a_rule_biased_at_position_3(capped):
+    """Power check of the test above: the same statistic on the same draws flags a rule that accepts a
+    rejected fourth draft half of the time."""
+    target_VxV, draft_VxV = _markov_pair()
+    p_value, _ = _joint_pvalue(target_VxV, draft_VxV, SamplingParams(1.0), biased_at_position_3, capped)
+    assert p_value < 1e-6, p_value
 
 
 def test_draft_token_outside_target_nucleus_is_always_rejected():
@@ -164,7 +232,7 @@ def test_zero_mass_residual_falls_back_to_target():
     )
     np.testing.assert_array_equal(num, 0)
     p = np.asarray(jax.nn.softmax(logits_V))
-    assert _chi_square_p(np.asarray(nxt), p) > P_MIN
+    assert chi_square_p(np.asarray(nxt), p) > P_MIN
 
 
 def test_sampling_is_deterministic_per_rng():

@@ -1,11 +1,20 @@
-"""Speculative decoding: lossless greedy and sampling, cache roll-back, bad inputs (tiny target and draft)."""
+"""Speculative decoding: lossless greedy and sampling, cache roll-back, bad inputs (tiny target and draft).
+
+Greedy losslessness is shown with drafts the target accepts: every group's proposer runs (its draft pass,
+confidences and carry), then its tokens are replaced by the target's own greedy continuation, wrong at a
+position that differs between rows and cycles, so rows of one batch accept different lengths in the same
+cycle and the roll-back path runs on every cycle. Sampling losslessness is the joint distribution of every
+token of a cycle, on a three-token vocabulary, with a power check on a biased acceptance rule.
+"""
+
+import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from scipy import stats
 
 from dspark_jax import experiments, sharding
 from dspark_jax.draft.engram import EngramDraftConfig
@@ -20,6 +29,7 @@ from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.generate import Generator, SamplingParams
 from dspark_jax.target.model import KVCache, Transformer
+from tests.inference.test_acceptance import biased_at_position_3, chi_square_p, joint_cells
 
 V, H, EOS, AUX = 48, 32, 3, (0, 1)
 TARGET = TargetConfig(
@@ -46,6 +56,9 @@ DRAFT = DraftConfig(
     markov_rank=8,
 )
 PROMPTS = [[5, 9, 11, 7], [7] * 13, [20, 21, 22, 23, 24, 25, 26, 27, 28], [1, 2]]
+ENGRAM_GROUPS = ("engram_markov", "engram_mask_gated", "engram_mask_replace")
+# Every proposer: the baseline's, Draft Memory's with each memory source, Engram's three, the reranker's.
+GROUPS = ("baseline", *(f"memory_{s}" for s in MEMORY_SOURCES), *ENGRAM_GROUPS, "reranker_joint")
 
 
 def _scaled(module, mesh, scale):
@@ -54,31 +67,33 @@ def _scaled(module, mesh, scale):
     return nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
 
 
-@pytest.fixture(scope="module")
-def parts(mesh1):
-    target = _scaled(Transformer(TARGET, rngs=nnx.Rngs(0)), mesh1, 8.0)
-    draft = _scaled(DSparkDraft(DRAFT, rngs=nnx.Rngs(1)), mesh1, 4.0)
+def _parts(target_cfg, draft_cfg, mesh):
+    target = _scaled(Transformer(target_cfg, rngs=nnx.Rngs(0)), mesh, 8.0)
+    draft = _scaled(DSparkDraft(draft_cfg, rngs=nnx.Rngs(1)), mesh, 4.0)
     frozen = FrozenTarget(target.embedding.get_value(), target.lm_head_matrix())
     return target, draft, frozen
 
 
-def _memory_draft(mesh, source):
-    cfg = MemoryDraftConfig(**{**DRAFT.__dict__, "memory_source": source})
+@pytest.fixture(scope="module")
+def parts(mesh1):
+    return _parts(TARGET, DRAFT, mesh1)
+
+
+def _memory_draft(mesh, source, cfg=DRAFT):
+    cfg = MemoryDraftConfig(**{**cfg.__dict__, "memory_source": source})
     return _scaled(MemoryDraft(cfg, rngs=nnx.Rngs(1)), mesh, 4.0)
 
 
-ENGRAM_GROUPS = ("engram_markov", "engram_mask_gated", "engram_mask_replace")
-
-
-def _engram_parts(parts, mesh, group):
+def _engram_parts(parts, mesh, group, cfg=DRAFT):
     """The parts with a random Engram table (identity compression) and the group's draft, its Engram
     weights made to matter (`W_V` and the gates are zero at initialisation)."""
     target, _, frozen = parts
+    v = cfg.vocab_size
     spec = HashSpec.create(
-        max_order=3, heads=2, head_dim=4, seed=0, layer_id=0, compressed_vocab=V, pad_id=0, table_size=60
+        max_order=3, heads=2, head_dim=4, seed=0, layer_id=0, compressed_vocab=v, pad_id=0, table_size=60
     )
     rows = np.random.default_rng(0).normal(size=(spec.num_rows, spec.head_dim))
-    cfg = EngramDraftConfig(**DRAFT.__dict__, engram_dim=spec.dim, engram_order=3)
+    cfg = EngramDraftConfig(**cfg.__dict__, engram_dim=spec.dim, engram_order=3)
     draft = experiments.get(group).build_draft(cfg, rngs=nnx.Rngs(1))
     for name in ("engram_v", "engram_proj"):
         if hasattr(draft, name):
@@ -86,14 +101,16 @@ def _engram_parts(parts, mesh, group):
             layer.kernel.set_value(jax.random.normal(jax.random.key(2), layer.kernel.get_value().shape))
     if getattr(draft, "engram_gates", None) is not None:
         draft.engram_gates.set_value(jnp.full(draft.engram_gates.get_value().shape, 0.8))
-    frozen = frozen._replace(engram=device_table(spec, np.arange(V), rows))
+    frozen = frozen._replace(engram=device_table(spec, np.arange(v), rows))
     return (target, _scaled(draft, mesh, 4.0), frozen)
 
 
-def _reranker_draft(mesh, trained=True):
-    """A reranker draft (16 of 48 candidates); `trained` makes its residual scores matter (`W_o` is zero
+def _reranker_draft(mesh, trained=True, cfg=DRAFT, candidates=16):
+    """A reranker draft (`candidates` per slot); `trained` makes its residual scores matter (`W_o` is zero
     at initialisation)."""
-    cfg = RerankerDraftConfig(**DRAFT.__dict__, rerank_width=16, rerank_heads=4, rerank_ffn=64)
+    cfg = RerankerDraftConfig(
+        **cfg.__dict__, rerank_candidates=candidates, rerank_width=16, rerank_heads=4, rerank_ffn=64
+    )
     draft = RerankerDraft(cfg, rngs=nnx.Rngs(1))
     if trained:
         w_o = draft.reranker.w_o.kernel
@@ -101,7 +118,18 @@ def _reranker_draft(mesh, trained=True):
     return _scaled(draft, mesh, 4.0)
 
 
-def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSER, **kw):
+def _group(parts, mesh, group, cfg=DRAFT, candidates=16):
+    """`(parts, draft, proposer)` of a group in `GROUPS`, its group-specific weights made to matter."""
+    if group.startswith("memory_"):
+        return parts, _memory_draft(mesh, group.removeprefix("memory_"), cfg), MEMORY_PROPOSER
+    if group in ENGRAM_GROUPS:
+        return _engram_parts(parts, mesh, group, cfg), None, experiments.get(group).proposer
+    if group == "reranker_joint":
+        return parts, _reranker_draft(mesh, cfg=cfg, candidates=candidates), experiments.get(group).proposer
+    return parts, None, engine.DSPARK_PROPOSER
+
+
+def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSER, eos=EOS, **kw):
     target, default_draft, frozen = parts
     graphdef, params, rest = nnx.split(draft or default_draft, nnx.Param, ...)
     decoder = SpeculativeDecoder(
@@ -112,7 +140,7 @@ def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSE
         frozen,
         proposer=proposer,
         aux_layer_ids=AUX,
-        eos_ids=[EOS],
+        eos_ids=[eos],
         pad_id=0,
         batch_size=batch_size,
         mesh=mesh,
@@ -121,77 +149,98 @@ def _decoder(parts, mesh, batch_size, draft=None, proposer=engine.DSPARK_PROPOSE
     if kw.get("schedule") == "confidence":
         # A crafted table instead of the profile: SPS(n) = 1 / (n + rows) admits a proposal while its
         # survival beats tau* / (n + rows), so the verified lengths vary with the confidences.
-        n = np.arange(1, batch_size * (DRAFT.block_size + 1) + 1)
+        n = np.arange(1, batch_size * (decoder.block_size + 1) + 1)
         decoder.sps_table = scheduler.SpsTable(batch_size, 0, tuple(n), tuple(1.0 / (n + batch_size)))
     return decoder
 
 
-SCHEDULED = dict(schedule="confidence", temperatures={"greedy": (0.5,) * 7, "sampling": (2.0,) * 7})
-
-
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_greedy_speculation_with_the_prefix_scheduler_equals_target_greedy(parts, mesh1, batch_size):
-    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=4, mesh=mesh1).generate(
-        PROMPTS, max_new_tokens=20
+def _scheduled(block_size=DRAFT.block_size):
+    return dict(
+        schedule="confidence",
+        temperatures={"greedy": (0.5,) * block_size, "sampling": (2.0,) * block_size},
     )
-    decoder = _decoder(parts, mesh1, batch_size, **SCHEDULED)
-    assert decoder.generate(PROMPTS, max_new_tokens=20) == expected
+
+
+SCHEDULES = {"fixed": {}, "confidence": _scheduled()}
+
+
+def _steered(proposer: engine.Proposer, prompts, continuations) -> engine.Proposer:
+    """`proposer` with its tokens replaced by the target's greedy continuation of each row's prompt
+    (`continuations`, EOS excluded), made wrong at position `(p + 4 cycle + 5 row) mod (S + 2)` (none for
+    S and S + 1; `p` the anchor's position): accepted lengths vary between rows and cycles, and every
+    length 0..S occurs. Its confidences are replaced too, so that the prefix scheduler verifies
+    `(p + 3 cycle + 2 row) mod (S + 1)` proposals; its draft pass and carry run unchanged."""
+    width = max(map(len, prompts))
+    prompts_NxW = jnp.asarray([[*p, *[0] * (width - len(p))] for p in prompts])  # right-padded, pad 0
+    lengths_N = jnp.asarray([len(p) for p in prompts])
+    longest = max(map(len, continuations)) + 16
+    truth_NxL = jnp.asarray([[*c, *[EOS] * (longest - len(c))] for c in continuations])
+    inner = lambda state: state._replace(carry=state.carry[0])
+
+    def init_carry(draft, tokens_BxP, lengths_B):
+        k = min(tokens_BxP.shape[1], width)
+        same_BxN = jnp.all(tokens_BxP[:, None, :k] == prompts_NxW[None, :, :k], -1)
+        row_N_B = jnp.argmax(same_BxN & (lengths_B[:, None] == lengths_N), axis=1)
+        return proposer.init_carry(draft, tokens_BxP, lengths_B), truth_NxL[row_N_B]
+
+    def select(draft, frozen, draft_out, state, rng, settings):
+        proposals = proposer.select(draft, frozen, draft_out, inner(state), rng, settings)
+        b, s = proposals.drafts_BxS.shape
+        at_BxS = jnp.minimum(state.count_B[:, None] + jnp.arange(s), longest - 1)  # out slot of each draft
+        truth_BxS = jnp.take_along_axis(state.carry[1], at_BxS, axis=1)
+        p_B, row_B = state.target_cache.end_B, jnp.arange(b)
+        wrong_B = (p_B + 4 * state.cycle + 5 * row_B) % (s + 2)
+        drafts_BxS = jnp.where(jnp.arange(s) == wrong_B[:, None], (truth_BxS + 1) % V, truth_BxS)
+        # Confidences that make the prefix scheduler verify `(p + 3 cycle + 2 row) mod (S + 1)` proposals.
+        sure_B = (p_B + 3 * state.cycle + 2 * row_B) % (s + 1)
+        confidence_BxS = jnp.where(jnp.arange(s) < sure_B[:, None], 4.0, -4.0)
+        return proposals._replace(
+            drafts_BxS=drafts_BxS.astype(proposals.drafts_BxS.dtype), confidence_logit_BxS=confidence_BxS
+        )
+
+    def next_carry(draft, state, draft_out, proposals, num_accepted_B):
+        carry = proposer.next_carry(draft, inner(state), draft_out, proposals, num_accepted_B)
+        return carry, state.carry[1]
+
+    return engine.Proposer(
+        lambda draft, frozen, state: proposer.draft_pass(draft, frozen, inner(state)),
+        select,
+        init_carry,
+        next_carry,
+    )
+
+
+def _assert_accepted(report):
+    """Drafts were accepted: MAL well above 1, and cycles of many different lengths (1 = none accepted)."""
+    lengths = {int(n) for n, c in report["accepted_length_histogram"].items() if c}
+    assert report["mal_pooled"] > 1.8, report
+    assert len(lengths) >= 4 and max(lengths) > 2, report["accepted_length_histogram"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    "group, batch_size", [("baseline", 1), *((g, 8) for g in GROUPS)], ids=lambda x: str(x)
+)
+def test_greedy_speculation_with_accepted_drafts_equals_target_greedy(
+    parts, mesh1, group, batch_size, schedule
+):
+    prompts = PROMPTS * 2
+    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=8, mesh=mesh1).generate(
+        prompts, max_new_tokens=20
+    )
+    group_parts, draft, proposer = _group(parts, mesh1, group)
+    proposer = _steered(proposer, prompts, expected)
+    decoder = _decoder(group_parts, mesh1, batch_size, draft, proposer, **SCHEDULES[schedule])
+    assert decoder.generate(prompts, max_new_tokens=20) == expected
     report = decoder.report.as_dict()
-    assert 0 < report["mean_verified_length"] < 7 and 1 <= report["mean_verify_width"] < 8
-    assert report["mal_per_verified_token"] > report["mal_pooled"] / 8
-    fixed = _decoder(parts, mesh1, batch_size)
-    fixed.generate(PROMPTS, max_new_tokens=20)
-    assert (
-        fixed.report.as_dict()["mean_verified_length"] == 7
-        and fixed.report.as_dict()["mean_verify_width"] == 8
-    )
-
-
-@pytest.mark.parametrize("batch_size", [1, 4])
-def test_greedy_speculation_equals_target_greedy(parts, mesh1, batch_size):
-    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=4, mesh=mesh1).generate(
-        PROMPTS, max_new_tokens=20
-    )
-    decoder = _decoder(parts, mesh1, batch_size)
-    assert decoder.generate(PROMPTS, max_new_tokens=20) == expected
-    report = decoder.report.as_dict()
-    assert report["cycles"] > 0 and 1.0 <= report["mal_pooled"] <= 8.0
-
-
-@pytest.mark.parametrize("source", MEMORY_SOURCES)
-@pytest.mark.parametrize("batch_size", [1, 8])
-def test_greedy_speculation_with_draft_memory_equals_target_greedy(parts, mesh1, source, batch_size):
-    prompts = PROMPTS * 2
-    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=8, mesh=mesh1).generate(
-        prompts, max_new_tokens=20
-    )
-    decoder = _decoder(parts, mesh1, batch_size, _memory_draft(mesh1, source), MEMORY_PROPOSER)
-    assert decoder.generate(prompts, max_new_tokens=20) == expected
-    assert decoder.report.as_dict()["cycles"] > len(prompts)  # later rounds read memory
-
-
-@pytest.mark.parametrize("group", ENGRAM_GROUPS)
-@pytest.mark.parametrize("batch_size", [1, 8])
-def test_greedy_speculation_with_engram_equals_target_greedy(parts, mesh1, group, batch_size):
-    prompts = PROMPTS * 2
-    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=8, mesh=mesh1).generate(
-        prompts, max_new_tokens=20
-    )
-    engram_parts = _engram_parts(parts, mesh1, group)
-    decoder = _decoder(engram_parts, mesh1, batch_size, proposer=experiments.get(group).proposer)
-    assert decoder.generate(prompts, max_new_tokens=20) == expected
-    assert decoder.report.as_dict()["cycles"] > len(prompts)
-
-
-@pytest.mark.parametrize("batch_size", [1, 8])
-def test_greedy_speculation_with_the_reranker_equals_target_greedy(parts, mesh1, batch_size):
-    prompts = PROMPTS * 2
-    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=8, mesh=mesh1).generate(
-        prompts, max_new_tokens=20
-    )
-    proposer = experiments.get("reranker_joint").proposer
-    decoder = _decoder(parts, mesh1, batch_size, _reranker_draft(mesh1), proposer)
-    assert decoder.generate(prompts, max_new_tokens=20) == expected
+    _assert_accepted(report)
+    if schedule == "fixed":
+        assert report["mean_verified_length"] == 7 and report["mean_verify_width"] == 8
+        if batch_size > 1:
+            assert all(report["accepted_length_histogram"][str(n)] for n in range(1, 9)), report
+    else:  # each row verifies its own number of proposals
+        assert 0 < report["mean_verified_length"] < 7 and 1 <= report["mean_verify_width"] < 8
+        assert report["mal_per_verified_token"] > report["mal_pooled"] / 8
 
 
 def test_reranked_proposals_at_initialisation_are_dspark_s(parts, mesh1):
@@ -294,96 +343,126 @@ def _forced(tokens_BxS):
 
 
 def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
+    """Three rows accept different numbers of forced drafts in the same cycles (3, 0, 7 in turn, shifted
+    by row); after every cycle each row's target and draft caches equal a fresh prefill of what it has
+    processed."""
     target, draft, frozen = parts
-    prompt = jnp.asarray([[5, 9, 11, 7, 0, 0, 0, 0]])
+    prompts = [[5, 9, 11, 7], [20, 21, 22, 23, 24, 25], [1, 2]]
+    plan_CxB = [(3, 7, 0), (0, 3, 7), (7, 0, 3)]  # accepted drafts of each row in each cycle
+    b, width = len(prompts), 8
     settings = engine.SpecSettings(64, SamplingParams(), (EOS,), AUX)
     state = engine.prefill(
         target,
         draft,
-        prompt,
-        jnp.asarray([4]),
-        jnp.asarray([True]),
+        jnp.asarray([[*p, *[0] * (width - len(p))] for p in prompts]),
+        jnp.asarray([len(p) for p in prompts]),
+        jnp.asarray([True] * b),
         max_len=64,
         settings=settings,
         rng=jax.random.key(0),
     )
-    # The target's own greedy continuation, to force exactly 3 accepted drafts, then 0, then 7.
-    greedy = Generator(target, eos_ids=[-1 % V], pad_id=0, batch_size=1, mesh=mesh1).generate(
-        [[5, 9, 11, 7]], max_new_tokens=40
-    )[0]
-    emitted = [int(state.pending_B[0])]
-    assert emitted[0] == greedy[0]
-    for accepted in (3, 0, 7):
-        done = len(emitted)
-        drafts = greedy[done : done + 7]
-        if accepted < 7:
-            drafts[accepted] = (drafts[accepted] + 1) % V
-        state = engine.cycle(target, draft, frozen, state, settings, _forced(jnp.asarray([drafts])))
-        count = int(state.count_B[0])
-        emitted = [int(t) for t in state.out_BxO[0, :count]]
-        assert count == done + accepted + 1 and emitted == greedy[:count]
-        # Fresh prefill of everything the target has processed: prompt + all emitted but the pending token.
-        processed = [5, 9, 11, 7, *emitted[:-1]]
-        end = int(state.target_cache.end_B[0])
-        assert end == len(processed)
-        fresh_cache = KVCache.zeros(target.cfg, 1, 64, target.dtype)
-        fresh = target(jnp.asarray([processed]), cache=fresh_cache, aux_layer_ids=AUX)
-        for got, want in zip(
-            state.target_cache.k_BxTxGxD + state.target_cache.v_BxTxGxD,
-            fresh.cache.k_BxTxGxD + fresh.cache.v_BxTxGxD,
-        ):
-            np.testing.assert_allclose(np.asarray(got[0, :end]), np.asarray(want[0, :end]), atol=1e-5)
-        fresh_kv = draft.context_kv(draft.context(fresh.aux_BxTxAxH))
-        for (k, v), got_k, got_v in zip(fresh_kv, state.draft_k, state.draft_v):
-            np.testing.assert_allclose(np.asarray(got_k[0, :end]), np.asarray(k[0]), atol=1e-5)
-            np.testing.assert_allclose(np.asarray(got_v[0, :end]), np.asarray(v[0]), atol=1e-5)
-
-
-def _chi_square_pvalue(tokens, probs_V):
-    expected = probs_V / probs_V.sum() * len(tokens)
-    big = expected > 5
-    observed = np.bincount(tokens, minlength=V)
-    chi = stats.chisquare(
-        np.r_[observed[big], observed[~big].sum()], np.r_[expected[big], expected[~big].sum()]
+    # The target's own greedy continuations, to force each row's planned number of accepted drafts.
+    greedy = Generator(target, eos_ids=[-1 % V], pad_id=0, batch_size=b, mesh=mesh1).generate(
+        prompts, max_new_tokens=40
     )
-    return chi.pvalue
+    emitted = [[int(state.pending_B[row])] for row in range(b)]
+    assert [e[0] for e in emitted] == [g[0] for g in greedy]
+    for plan_B in plan_CxB:
+        done_B = [len(e) for e in emitted]
+        drafts_BxS = []
+        for row, accepted in enumerate(plan_B):
+            drafts = greedy[row][done_B[row] : done_B[row] + 7]
+            if accepted < 7:
+                drafts[accepted] = (drafts[accepted] + 1) % V
+            drafts_BxS.append(drafts)
+        state = engine.cycle(target, draft, frozen, state, settings, _forced(jnp.asarray(drafts_BxS)))
+        for row, accepted in enumerate(plan_B):
+            count = int(state.count_B[row])
+            emitted[row] = [int(t) for t in state.out_BxO[row, :count]]
+            assert count == done_B[row] + accepted + 1 and emitted[row] == greedy[row][:count]
+            # Fresh prefill of everything the row's target processed: prompt + all emitted but the pending.
+            processed = [*prompts[row], *emitted[row][:-1]]
+            end = int(state.target_cache.end_B[row])
+            assert end == len(processed)
+            fresh_cache = KVCache.zeros(target.cfg, 1, 64, target.dtype)
+            fresh = target(jnp.asarray([processed]), cache=fresh_cache, aux_layer_ids=AUX)
+            for got, want in zip(
+                state.target_cache.k_BxTxGxD + state.target_cache.v_BxTxGxD,
+                fresh.cache.k_BxTxGxD + fresh.cache.v_BxTxGxD,
+            ):
+                np.testing.assert_allclose(np.asarray(got[row, :end]), np.asarray(want[0, :end]), atol=1e-5)
+            fresh_kv = draft.context_kv(draft.context(fresh.aux_BxTxAxH))
+            for (k, v), got_k, got_v in zip(fresh_kv, state.draft_k, state.draft_v):
+                np.testing.assert_allclose(np.asarray(got_k[row, :end]), np.asarray(k[0]), atol=1e-5)
+                np.testing.assert_allclose(np.asarray(got_v[row, :end]), np.asarray(v[0]), atol=1e-5)
 
 
-@pytest.mark.parametrize("group", ["baseline", "scheduled", "memory", *ENGRAM_GROUPS, "reranker_joint"])
-def test_sampling_is_lossless(parts, mesh1, group):
-    """The second and third generated tokens follow the target's distributions (the third one's cycle
-    reads, with Draft Memory, the memory of the cycle that decided the second). 'scheduled' is the
-    baseline under the prefix scheduler: each row verifies its own number of proposals."""
-    target = parts[0]
-    prompt = [5, 9, 11, 7]
-    params = SamplingParams(temperature=1.0)
-    rows = 1024
-    if group == "memory":
-        decoder = _decoder(parts, mesh1, rows, _memory_draft(mesh1, "with_memory"), MEMORY_PROPOSER)
-    elif group == "reranker_joint":
-        decoder = _decoder(parts, mesh1, rows, _reranker_draft(mesh1), experiments.get(group).proposer)
-    elif group in ENGRAM_GROUPS:
-        decoder = _decoder(
-            _engram_parts(parts, mesh1, group), mesh1, rows, proposer=experiments.get(group).proposer
-        )
-    else:
-        decoder = _decoder(parts, mesh1, rows, **(SCHEDULED if group == "scheduled" else {}))
-    outs = decoder.generate([prompt] * rows, max_new_tokens=3, params=params, seed=3)
-    if group == "scheduled":
-        assert 0 < decoder.report.as_dict()["mean_verified_length"] < 7
-    forward = jax.jit(lambda ids: jax.nn.softmax(target.logits(target(ids).hidden_BxTxH[:, -1])))
-    p1_V = np.asarray(forward(jnp.asarray([prompt])))[0].astype(np.float64)
-    p2_VxV = np.asarray(forward(jnp.asarray([[*prompt, t] for t in range(V)]))).astype(np.float64)
-    pairs = [[*prompt, t1, t2] for t1 in range(V) for t2 in range(V)]
-    p3_VxVxV = np.asarray(forward(jnp.asarray(pairs))).astype(np.float64).reshape(V, V, V)
-    alive_V = np.arange(V) != EOS  # a row stops at EOS and emits nothing after it
-    p12_VxV = p1_V[:, None] * p2_VxV * alive_V[:, None]
-    second_V = p12_VxV.sum(0) * alive_V
-    third_V = np.einsum("ab,abc->c", p12_VxV * alive_V[None, :], p3_VxVxV) * alive_V
-    seconds = [o[1] for o in outs if len(o) > 1]
-    thirds = [o[2] for o in outs if len(o) > 2]
-    assert _chi_square_pvalue(seconds, second_V) > 1e-3
-    assert _chi_square_pvalue(thirds, third_V) > 1e-3
+# The joint test: a three-token vocabulary, blocks of 4 proposals, an EOS id the target never samples.
+V3, S3, ROWS3 = 3, 4, 24_000
+TARGET3 = dataclasses.replace(TARGET, vocab_size=V3, eos_token_ids=(V3,))
+DRAFT3 = dataclasses.replace(DRAFT, vocab_size=V3, block_size=S3)
+PROMPT3 = [1, 2, 0, 1]
+N3 = S3 + 2  # the prefill's token and every token the first cycle can emit: 3 ** 6 joint outcomes
+
+
+@pytest.fixture(scope="module")
+def parts3(mesh1):
+    return _parts(TARGET3, DRAFT3, mesh1)
+
+
+def _target_joint(target, prompt, n):
+    """The target's probability of each of the `V3 ** n` continuations of `prompt` (first token most
+    significant): one forward of every `n - 1`-token continuation gives each position's distribution."""
+    heads_RxK = np.array(list(itertools.product(range(V3), repeat=n - 1)))
+    ids = jnp.asarray([[*prompt, *head] for head in heads_RxK])
+    probs = np.asarray(jax.nn.softmax(target.logits(target(ids).hidden_BxTxH)), np.float64)
+    p_RxKxV = probs[:, len(prompt) - 1 :]  # position k predicts token k + 1 of the continuation
+    prefix_R = np.prod(np.take_along_axis(p_RxKxV[:, : n - 1], heads_RxK[..., None], axis=2)[..., 0], axis=1)
+    return (prefix_R[:, None] * p_RxKxV[:, n - 1]).ravel()
+
+
+def _joint_sampling_pvalue(parts3, mesh, group, schedule):
+    """Speculative sampling of `ROWS3` rows of `PROMPT3`: the chi-square p-value of their first `N3` tokens
+    against the target's joint distribution, and the decoder's report."""
+    group_parts, draft, proposer = _group(parts3, mesh, group, DRAFT3, candidates=2)
+    settings = _scheduled(S3) if schedule == "confidence" else {}
+    decoder = _decoder(
+        group_parts, mesh, ROWS3, draft, proposer, eos=V3, verify_buckets=(1, 2, 3, S3 + 1), **settings
+    )
+    if schedule == "confidence":  # a flatter table than `_decoder`'s: rows verify 0..S proposals
+        n = np.arange(1, ROWS3 * (S3 + 1) + 1)
+        decoder.sps_table = scheduler.SpsTable(ROWS3, 0, tuple(n), tuple(1.0 / (n + 8 * ROWS3)))
+    outs = decoder.generate([PROMPT3] * ROWS3, max_new_tokens=N3, params=SamplingParams(1.0), seed=3)
+    cells = joint_cells(np.asarray(outs), V3)
+    return chi_square_p(cells, _target_joint(parts3[0], PROMPT3, N3)), decoder.report.as_dict()
+
+
+@pytest.mark.parametrize(
+    "group, schedule",
+    [*((g, "fixed") for g in GROUPS), ("baseline", "confidence"), ("reranker_joint", "confidence")],
+    ids=lambda x: str(x),
+)
+def test_sampling_is_lossless_jointly_over_a_whole_cycle(parts3, mesh1, group, schedule):
+    """The first six sampled tokens of every row, jointly (the prefill's and all a first cycle can emit;
+    later ones read, with Draft Memory, the memory of the cycle before), follow the target's distribution:
+    every accepted length, residual and bonus draw, under each proposer (the reranker samples from 2 of
+    3 candidates) and the prefix scheduler's per-row verification cap."""
+    p_value, report = _joint_sampling_pvalue(parts3, mesh1, group, schedule)
+    hist = report["accepted_length_histogram"]
+    print(f"{group}/{schedule}: joint p={p_value:.4f}, accepted lengths {hist}")
+    assert p_value > 1e-3
+    assert all(hist[str(n)] >= 100 for n in range(1, S3 + 2)), hist  # every accepted length is sampled
+    if schedule == "confidence":
+        assert 0 < report["mean_verified_length"] < S3
+
+
+def test_the_joint_sampling_test_rejects_an_acceptance_rule_biased_at_position_3(parts3, mesh1, monkeypatch):
+    """Power check of the test above: the engine with a rule that accepts a rejected fourth draft half of
+    the time fails it."""
+    monkeypatch.setattr(engine, "accept_sampling", biased_at_position_3)
+    p_value, _ = _joint_sampling_pvalue(parts3, mesh1, "baseline", "fixed")
+    print(f"biased rule: joint p={p_value:.2e}")
+    assert p_value < 1e-6, p_value
 
 
 def test_bad_inputs(parts, mesh1):

@@ -2,7 +2,9 @@
 
 The extractor runs padded batches of one length bucket; float32 reductions over a padded
 length may round differently in the last bit, so after the cast to bf16 a rare element
-may sit one bf16 step away. Everything else must be bit-identical.
+may sit one bf16 step away. Everything else must be bit-identical. Measured: 1 element of
+18,944 one step away for this test's model (seed 0), at most 0.03% of an array kind's
+elements for seeds 0-3, never two steps; the test allows one step on 0.1%.
 """
 
 import jax
@@ -15,6 +17,7 @@ from dspark_jax import sharding
 from dspark_jax.cache.features import FeatureExtractor
 from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.model import Transformer
+from tests import bf16
 
 CFG = TargetConfig(
     family="llama",
@@ -29,13 +32,6 @@ CFG = TargetConfig(
 )
 
 
-def _bf16_bits_close(got, want_f32):
-    want = want_f32.astype(ml_dtypes.bfloat16)
-    assert got.dtype == ml_dtypes.bfloat16 and got.shape == want.shape
-    steps = np.abs(got.view(np.uint16).astype(np.int32) - want.view(np.uint16).astype(np.int32))
-    assert (steps == 0).mean() > 0.99 and steps.max() <= 2
-
-
 def test_features_match_direct_forward(mesh1):
     model = Transformer(CFG, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
@@ -44,7 +40,16 @@ def test_features_match_direct_forward(mesh1):
     sequences = [rng.randint(0, 128, n).astype(np.int32) for n in (5, 17, 16, 40, 70)]
     got = FeatureExtractor(model, (-1, 1, 2), tokens_per_batch=128, mesh=mesh1)(sequences)
     direct = jax.jit(lambda ids: model(ids, aux_layer_ids=(-1, 1, 2)))
+    steps = {"aux_hidden": [], "last_hidden": []}
     for ids, (aux, last) in zip(sequences, got):
         out = direct(jnp.asarray(ids[None]))
-        _bf16_bits_close(aux, np.asarray(out.aux_BxTxAxH[0]))
-        _bf16_bits_close(last, np.asarray(out.hidden_BxTxH[0]))
+        for name, feature, want in (
+            ("aux_hidden", aux, out.aux_BxTxAxH[0]),
+            ("last_hidden", last, out.hidden_BxTxH[0]),
+        ):
+            assert feature.dtype == ml_dtypes.bfloat16 and feature.shape == want.shape
+            steps[name].append(bf16.steps(feature, bf16.rounded(want)).ravel())
+    for name, found in steps.items():
+        found = np.concatenate(found)
+        assert found.max() <= 1, f"{name}: an element {found.max()} bf16 steps away"
+        assert (found > 0).mean() <= 1e-3, f"{name}: {(found > 0).mean():.3%} of the elements one step away"

@@ -47,7 +47,12 @@ def test_next_token_logits_match(hf, target):
         with torch.no_grad():
             ref = model(torch.tensor([ids])).logits[0].numpy()
         ours = np.asarray(target.model.logits(target.model(jnp.asarray([ids])).hidden_BxTxH))[0]
-        assert np.abs(ours - ref).max() < 2e-3 * np.abs(ref).max()
+        # fp32 on both sides, the same dequantised weights: measured (transformers 5.24, torch 2.13, CPU)
+        # a largest error of 3.6e-6 x max|logit| (1.4e-4 on logits up to 38) and a mean error of 1.6e-5.
+        # A RoPE base 0.1% off stays within the old bound (2e-3) and the argmax, but fails these.
+        error = np.abs(ours - ref)
+        assert error.max() < 1e-5 * np.abs(ref).max(), error.max() / np.abs(ref).max()
+        assert error.mean() < 5e-5, error.mean()
         np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
 
 

@@ -85,11 +85,17 @@ def split_micro_batches(batch: Mapping[str, np.ndarray], num: int) -> list[dict[
 
 
 def write_summary(
-    workdir: epath.Path, checkpointer: Checkpointer, stages: Mapping[str, float], pretrained_steps: int = 0
+    workdir: epath.Path,
+    checkpointer: Checkpointer,
+    stages: Mapping[str, float],
+    pretrained_steps: int = 0,
+    process_steps: tuple[int, int] = (0, 0),
 ) -> None:
     """`summary.json` in the work directory: where the run's outputs are, its final and best
     evaluation (on the logged, cumulative step axis), the run's own steps and the steps of the run it
-    started from, and the wall time of each stage (process 0 only)."""
+    started from, what this process did (`resumed_from_step`: the checkpoint it started from, 0 for a
+    fresh run; `steps_computed`: the optimizer steps it ran), and the wall time of each stage (process 0
+    only)."""
     if jax.process_index():
         return
     lines = [json.loads(line) for line in (workdir / METRICS_FILE).read_text().splitlines()]
@@ -100,6 +106,8 @@ def write_summary(
         "checkpoint": str(checkpointer.directory / str(step)) if step is not None else None,
         "step": step,
         "pretrained_steps": pretrained_steps,
+        "resumed_from_step": process_steps[0],
+        "steps_computed": process_steps[1],
         "tensorboard": str(workdir / TENSORBOARD_DIR),
         "metrics": str(workdir / METRICS_FILE),
         "final_eval": dict(zip(("step", "tau_prob"), evals[-1])) if evals else None,
@@ -215,7 +223,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
             last = metrics
         progress.update(step, {"loss": metrics["train/loss"], "tau": metrics["train/tau_prob"]})
 
-    stop = False
+    stop, computed = False, 0
     stages["setup"] += time.perf_counter()
     stages |= {"first_step": 0.0, "train": -time.perf_counter(), "eval": 0.0}
     log.info("step %d: compiling the train step (the first step takes longer)", start + 1)
@@ -230,6 +238,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
             counts = count(to_global({k: batch[k] for k in COUNTED_FIELDS}, mesh, rules))
             params, opt_state, grad_norm = apply_step(state["params"], state["opt_state"], grads, sums)
             state = {"params": params, "opt_state": opt_state}
+            computed += 1
             device_metrics = train_metrics(sums) | {
                 "grad_norm": grad_norm,
                 "learning_rate": schedule(step - 1),
@@ -286,7 +295,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     checkpointer.wait()
     stages["train"] += time.perf_counter() - stages["eval"] - stages["first_step"]
     writer.close()
-    write_summary(workdir, checkpointer, stages, offset)
+    write_summary(workdir, checkpointer, stages, offset, (start, computed))
     checkpointer.close()
     if stop and step < t.stop_step:
         raise Preempted(step)

@@ -14,9 +14,9 @@ import pytest
 
 from configs import baseline
 from dspark_jax import config_lib, sharding
-from dspark_jax.train import components
+from dspark_jax.train import components, loop
 from dspark_jax.train.checkpoint import Checkpointer
-from dspark_jax.train.loop import NonFiniteLossError, train
+from dspark_jax.train.loop import SUMMARY_FILE, NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMING = ("train/step_seconds", "train/tokens_per_second", "train/wall_minutes", "eval/wall_minutes")
@@ -77,16 +77,40 @@ def _wait_for(path, proc, timeout=300):
         time.sleep(0.05)
 
 
+def assert_resumed(workdir, saved_steps, stop_step=SETTINGS["stop_step"]):
+    """The last process in `workdir` started from its latest checkpoint before the kill (one of
+    `saved_steps`, at least step 2) and computed only the steps after it: a run that ignored the
+    checkpoint and retrained from step 0 reproduces the same numbers, but not this record."""
+    summary = json.loads((workdir / SUMMARY_FILE).read_text())
+    resumed = summary["resumed_from_step"]
+    assert resumed == max(saved_steps) >= 2, (summary, saved_steps)
+    assert summary["steps_computed"] == stop_step - resumed, summary
+    return resumed
+
+
+def saved_steps(workdir):
+    return [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()]
+
+
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_uninterrupted_result(cache_dir, tmp_path):
+def test_killed_run_resumes_to_the_uninterrupted_result(cache_dir, tmp_path, monkeypatch):
     full, killed = tmp_path / "full", tmp_path / "killed"
     train(_config(cache_dir, **SETTINGS), full)
+    assert json.loads((full / SUMMARY_FILE).read_text())["resumed_from_step"] == 0
     proc = _start_subprocess(cache_dir, killed)
     _wait_for(killed / "checkpoints" / "2", proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "checkpoints" / "8").exists(), "the run finished before it could be killed"
+    before_resume = saved_steps(killed)
+    # Counted independently of the summary: the optimizer steps the resumed process runs (one host
+    # batch split per step).
+    steps = []
+    split = loop.split_micro_batches
+    monkeypatch.setattr(loop, "split_micro_batches", lambda *a: steps.append(1) or split(*a))
     train(_config(cache_dir, **SETTINGS), killed)
+    resumed = assert_resumed(killed, before_resume)
+    assert len(steps) == SETTINGS["stop_step"] - resumed
     assert logged_metrics(killed) == logged_metrics(full)
     assert [m["step"] for m in logged_metrics(full) if "train/loss" in m] == list(range(1, 9))
     a, b = ocp.tree.to_flat_dict(_params(full, 8)), ocp.tree.to_flat_dict(_params(killed, 8))
@@ -219,7 +243,9 @@ def test_paper_micro_step_fits_one_80gb_accelerator():
 
 
 def test_trains_on_a_cache_in_deepspec_layout(cache_dir, tmp_path):
-    """The smoke train cache rewritten by hand in DeepSpec's layout (`data.train_cache`) trains."""
+    """The smoke train cache rewritten by hand in DeepSpec's layout (`data.train_cache`) trains to the
+    same logged metrics as the native cache of the same samples, bitwise (the same program reads the same
+    bf16 states in the same order)."""
     from tests.cache.test_deepspec import write_reference_cache
 
     config = _config(cache_dir, stop_step=2, total_steps=2, eval_every=2)
@@ -231,9 +257,11 @@ def test_trains_on_a_cache_in_deepspec_layout(cache_dir, tmp_path):
     write_reference_cache(
         deepspec_dir, samples, [len(samples) // 2, len(samples) - len(samples) // 2], (1, 2, 3)
     )
+    train(config, tmp_path / "native")
     config.data.train_cache = str(deepspec_dir)
-    last = train(config, tmp_path / "work")
+    last = train(config, tmp_path / "deepspec")
     assert math.isfinite(last["train/loss"]) and math.isfinite(last["eval/tau_prob"])
+    assert logged_metrics(tmp_path / "deepspec") == logged_metrics(tmp_path / "native")
 
 
 def test_changed_data_settings_build_a_new_cache(cache_dir):

@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.train.test_loop import ROOT, SETTINGS, logged_metrics, train_command
+from tests.train.test_loop import ROOT, SETTINGS, assert_resumed, logged_metrics, saved_steps, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -46,10 +46,12 @@ def _launch(workdir, cache_dir, processes, devices_per_process, **settings):
     ]
 
 
-def _finish(procs, timeout=600):
+def _finish(procs, timeout=600) -> list[str]:
+    """Waits for every process to exit 0; returns their stderr."""
     outcomes = [(p.wait(timeout=timeout), p.stderr.read()) for p in procs]
     for code, stderr in outcomes:
         assert code == 0, stderr[-3000:]
+    return [stderr for _, stderr in outcomes]
 
 
 def _params(workdir, step):
@@ -97,7 +99,11 @@ def test_two_processes_equal_one_and_resume_bitwise_after_a_kill(reference):
     for p in procs:
         p.wait()
     assert not (killed / "checkpoints" / "8").exists(), "the run finished before it could be killed"
-    _finish(_launch(killed, caches, 2, 1))
+    before_resume = saved_steps(killed)
+    stderrs = _finish(_launch(killed, caches, 2, 1))
+    resumed = assert_resumed(killed, before_resume)  # process 0's record of what it computed
+    for stderr in stderrs:  # both processes restored that step
+        assert f"resumed from step {resumed}" in stderr, stderr[-3000:]
     _assert_same_run(reference / "one", killed)
 
 

@@ -131,8 +131,12 @@ def _bits(state):
     return {path: np.asarray(v.get_value()).tobytes() for path, v in nnx.to_flat_state(state)}
 
 
-def _same_bits(a, b):
-    return np.asarray(a).tobytes() == np.asarray(b).tobytes()
+def _assert_close_states(a, b):
+    """Every leaf of two equally structured pytrees equal to float32 rounding (rtol 1e-5)."""
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-8)
 
 
 def test_frozen_group_differentiates_only_the_reranker_with_the_full_gradient_result(mesh1):
@@ -168,10 +172,15 @@ def test_frozen_group_differentiates_only_the_reranker_with_the_full_gradient_re
         )
         *full, every_grad = full_update(*full, full_grads, full_sums)
 
-        assert _bits(new[0]) == _bits(full[0])
-        assert jax.tree.leaves(jax.tree.map(_same_bits, new[1], full[1])) == [True] * len(
-            jax.tree.leaves(new[1])
-        )
+        # The frozen leaves are bitwise their start in both. The reranker's gradients come from two
+        # different programs (one differentiates it alone, one everything), whose fusions may round a
+        # reduction otherwise (seen on JAX 0.12): equal to float32 rounding after Adam, not bitwise.
+        new_bits, full_bits = _bits(new[0]), _bits(full[0])
+        start_bits = _bits(params)
+        frozen_paths = [path for path in new_bits if path[0] != "reranker"]
+        assert frozen_paths and all(new_bits[p] == full_bits[p] == start_bits[p] for p in frozen_paths)
+        _assert_close_states(new[0], full[0])
+        _assert_close_states(new[1], full[1])
         # The metric sums come from the same forward compiled in other fusions, so a reduction may round
         # otherwise: within an ulp in a smoke training run, whose parameters stay bitwise equal.
         new_metrics, full_metrics = jax.device_get((metrics(sums), metrics(full_sums)))

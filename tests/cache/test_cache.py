@@ -48,9 +48,7 @@ def make_samples(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def build(
-    path: str, samples, spec: cache.CacheSpec, shards=None, batch: int = 2, sleep: float = 0.0
-) -> int:
+def build(path: str, samples, spec: cache.CacheSpec, shards=None, batch: int = 2, sleep: float = 0.0) -> int:
     """Writes `shards` (all by default) the way the cache builder does, each from where its writer says
     it stopped; returns the number of samples this call appended."""
     layout = cache.create_or_open(path, spec, len(samples))

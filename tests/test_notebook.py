@@ -1,6 +1,5 @@
 """The tour notebook runs top to bottom on the smoke preset, as a user would run it."""
 
-import os
 from pathlib import Path
 
 import nbformat
@@ -25,5 +24,8 @@ def test_tour_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
         for out in cell.get("outputs", [])
     )
     assert "the target accepted" in outputs and "identical to target greedy: 2/2" in outputs
+    # What the notebook itself reports and writes: the preset and work directory it resolved, its caches
+    # and its run under that directory (nothing left in a directory of its own choosing).
+    assert f"| preset smoke | work {tmp_path}\n" in outputs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["baseline-smoke", "caches"]
     assert (tmp_path / "baseline-smoke" / "metrics.jsonl").exists()
-    assert os.environ["DSPARK_NOTEBOOK_DIR"] == str(tmp_path)

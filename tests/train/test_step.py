@@ -162,6 +162,7 @@ def test_frozen_group_differentiates_only_the_reranker_with_the_full_gradient_re
 
     new = full = (params, optimizer.init(params))
     reranker_leaves = jax.tree.leaves(params["reranker"])
+    start_bits = _bits(params)
     for _ in range(3):
         grads, sums = step_lib.accumulate(*(micro(new[0], rest, frozen, b) for b in micro_batches))
         for g in grads:  # no gradient (nor accumulator) for the frozen leaves
@@ -176,7 +177,6 @@ def test_frozen_group_differentiates_only_the_reranker_with_the_full_gradient_re
         # different programs (one differentiates it alone, one everything), whose fusions may round a
         # reduction otherwise (seen on JAX 0.12): equal to float32 rounding after Adam, not bitwise.
         new_bits, full_bits = _bits(new[0]), _bits(full[0])
-        start_bits = _bits(params)
         frozen_paths = [path for path in new_bits if path[0] != "reranker"]
         assert frozen_paths and all(new_bits[p] == full_bits[p] == start_bits[p] for p in frozen_paths)
         _assert_close_states(new[0], full[0])

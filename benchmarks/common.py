@@ -26,18 +26,19 @@ def ablation(checkpoint: str, variants, names: tuple[str, ...], batches: int = 0
     """Evaluates `checkpoint` on its validation cache once per variant and prints the metrics `names` per
     variant and the first minus the second. `variants(config, side, graphdef)` returns `{label:
     (graphdef, frozen)}` (two entries): the model and frozen inputs each evaluation runs with."""
-    from dspark_jax import experiments, sharding
+    from dspark_jax import groups, sharding
     from dspark_jax.data.pipeline import make_iterator
-    from dspark_jax.train import components, evaluation
+    from dspark_jax.run import checkpoints, draft_state, sources, target_side
+    from dspark_jax.training import evaluation
 
-    config = components.run_config(checkpoint)
+    config = checkpoints.run_config(checkpoint)
     mesh = sharding.make_mesh(config.mesh.to_dict())
-    experiment = experiments.get(config.experiment)
-    side, paths = components.prepare_target_side(config, mesh)
-    source = components.open_source(paths["val"], config, side)
-    graphdef, params, rest, step = components.restore_draft(config, side.config, mesh, checkpoint)
+    experiment = groups.get(config.experiment)
+    side, paths = target_side.prepare_target_side(config, mesh)
+    source = sources.open_source(paths["val"], config, side)
+    graphdef, params, rest, step = draft_state.restore_draft(config, side.config, mesh, checkpoint)
     micro_rows = config.train.global_batch // config.train.grad_accum
-    pipeline = components.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1)
+    pipeline = sources.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1)
     rows = {
         label: evaluation.evaluate(
             evaluation.make_eval_sums(model, experiment),

@@ -18,15 +18,17 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import ablation
-from dspark_jax.engram import prepare
-from dspark_jax.train import components
+from dspark_jax.groups.engram import prepare
+from dspark_jax.groups.engram.group import TABLE, table_of
+from dspark_jax.run import checkpoints
 
 NAMES = ("tau_prob", "accept_rate_0", "accept_rate_1", "accept_rate_2", "loss")
 
 
 def variants(config, side, graphdef):
-    table = side.frozen.engram
-    zeroed = side.frozen._replace(engram=table._replace(rows_xW=jnp.zeros_like(table.rows_xW)))
+    table = table_of(side.frozen)
+    zeroed_table = table._replace(rows_xW=jnp.zeros_like(table.rows_xW))
+    zeroed = side.frozen._replace(side_inputs={**side.frozen.side_inputs, TABLE: zeroed_table})
     return {"with features": (graphdef, side.frozen), "rows zeroed": (graphdef, zeroed)}
 
 
@@ -37,7 +39,7 @@ def main():
     parser.add_argument("--checkpoint", required=True, help="an Engram group's work directory")
     parser.add_argument("--batches", type=int, default=0, help="validation batches (0 = all)")
     args = parser.parse_args()
-    config = components.run_config(args.checkpoint)
+    config = checkpoints.run_config(args.checkpoint)
     if not prepare.uses_engram(config):
         raise SystemExit(f"error: {args.checkpoint} is a {config.experiment!r} run, not an Engram one")
     ablation(args.checkpoint, variants, NAMES, args.batches)

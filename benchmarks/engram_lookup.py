@@ -24,10 +24,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_config_module
-from dspark_jax.engram import prepare
-from dspark_jax.engram.hashing import host_hashes
-from dspark_jax.engram.table import load_table
-from dspark_jax.experiments.engram import PrefixWindow
+from dspark_jax.groups.engram import prepare
+from dspark_jax.groups.engram.group import PrefixWindow
+from dspark_jax.groups.engram.hashing import host_hashes
+from dspark_jax.groups.engram.table import load_table
 
 
 def _ms(fn, *args, repeats=50):

@@ -19,8 +19,8 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import ablation
-from dspark_jax.draft import memory as memory_lib
-from dspark_jax.train import components
+from dspark_jax.groups.memory import model as memory_lib
+from dspark_jax.run import checkpoints, draft_state
 
 NAMES = ("tau_prob", "accept_rate_0", "accept_rate_1", "accept_rate_2", "stage1_mean_matches")
 
@@ -34,7 +34,7 @@ class MaskedMemoryDraft(memory_lib.MemoryDraft):
 
 
 def variants(config, side, graphdef):
-    cfg = components.draft_config(config, side.config)
+    cfg = draft_state.draft_config(config, side.config)
     masked = nnx.split(nnx.eval_shape(lambda: MaskedMemoryDraft(cfg, rngs=nnx.Rngs(0))))[0]
     return {"with memory": (graphdef, side.frozen), "memory masked": (masked, side.frozen)}
 
@@ -46,7 +46,7 @@ def main():
     parser.add_argument("--checkpoint", required=True, help="a Draft Memory work directory")
     parser.add_argument("--batches", type=int, default=0, help="validation batches (0 = all)")
     args = parser.parse_args()
-    config = components.run_config(args.checkpoint)
+    config = checkpoints.run_config(args.checkpoint)
     if config.experiment != "memory":
         raise SystemExit(f"error: {args.checkpoint} is a {config.experiment!r} run, not a Draft Memory one")
     ablation(args.checkpoint, variants, NAMES, args.batches)

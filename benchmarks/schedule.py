@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dspark_jax import sharding
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.inference.decoder import SCHEDULES, SpecReport
+from dspark_jax.run import checkpoints, decoding, draft_state
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import prompt_ids
 from dspark_jax.target.generate import GenerationStats, Generator, SamplingParams
-from dspark_jax.train import components
 
 
 def _second_pass(decoder, prompts, **kw):
@@ -50,12 +50,12 @@ def main():
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--output", default="")
     args = parser.parse_args()
-    config = components.run_config(args.checkpoint)
-    step = components.checkpoint_step(args.checkpoint)
-    temperatures = components.load_calibration(args.checkpoint, step, config.draft.block_size)
+    config = checkpoints.run_config(args.checkpoint)
+    step = checkpoints.checkpoint_step(args.checkpoint)
+    temperatures = checkpoints.load_calibration(args.checkpoint, step, config.draft.block_size)
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
-    draft = components.restore_draft(config, target.config, mesh, args.checkpoint)[:3]
+    draft = draft_state.restore_draft(config, target.config, mesh, args.checkpoint)[:3]
     conversations = read_turns_jsonl(GSM8K_VAL256)[: args.prompts]
     prompts = [
         prompt_ids(target.tokenizer, target.chat_template, [{"role": "user", "content": c[0]}]).tolist()
@@ -66,7 +66,7 @@ def main():
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         base_outputs = base = None
         for schedule in SCHEDULES:
-            decoder = components.speculative_decoder(
+            decoder = decoding.speculative_decoder(
                 config,
                 target,
                 draft,

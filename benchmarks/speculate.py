@@ -31,11 +31,11 @@ from dspark_jax import sharding
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.inference.decoder import SpecReport
 from dspark_jax.inference.timing import time_cycle_phases
+from dspark_jax.run import checkpoints, decoding, draft_state
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import prompt_ids
 from dspark_jax.target.generate import GenerationStats, SamplingParams
 from dspark_jax.target.model import KVCache
-from dspark_jax.train import components
 
 
 def target_forward_ms(target, rows: int, context: int, tokens: int, repeats: int = 10) -> float:
@@ -76,15 +76,15 @@ def main():
     )
     args = parser.parse_args()
     if args.checkpoint:
-        config = components.run_config(args.checkpoint)
+        config = checkpoints.run_config(args.checkpoint)
     else:
         config = load_config_module(args.config).get_config("demo")
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     target = target_from_config(config.target, seed=config.seed, mesh=mesh)
     if args.checkpoint:
-        draft = components.restore_draft(config, target.config, mesh, args.checkpoint)[:3]
+        draft = draft_state.restore_draft(config, target.config, mesh, args.checkpoint)[:3]
     else:
-        draft = components.init_draft(config, target.config, mesh)
+        draft = draft_state.init_draft(config, target.config, mesh)
     conversations = read_turns_jsonl(GSM8K_VAL256)[: args.prompts]
     prompts = [
         prompt_ids(target.tokenizer, target.chat_template, [{"role": "user", "content": c[0]}]).tolist()
@@ -94,7 +94,7 @@ def main():
     plain = None
     rows = []
     for top_k in (int(k) for k in args.select_top_k.split(",")):
-        decoder = components.speculative_decoder(
+        decoder = decoding.speculative_decoder(
             config, target, draft, batch_size=args.concurrency, mesh=mesh, select_top_k=top_k
         )
         if plain is None:

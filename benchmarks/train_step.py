@@ -34,15 +34,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import load_config_module
-from dspark_jax import experiments, sharding
+from dspark_jax import groups, sharding
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.data.pipeline import to_global
 from dspark_jax.draft.model import DraftConfig, FrozenTarget
-from dspark_jax.engram import prepare as engram_prepare
+from dspark_jax.groups.engram import prepare as engram_prepare
+from dspark_jax.groups.engram.group import TABLE
+from dspark_jax.run import draft_state
+from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.target import TargetConfig
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
-from dspark_jax.train import components
-from dspark_jax.train import step as step_lib
+from dspark_jax.training import step as step_lib
 
 
 def preset_target(config, shape_only: bool = False) -> TargetConfig:
@@ -91,12 +93,12 @@ def time_step(
     config_module, preset: str, steps: int, overrides: str = "", shape_only: bool = False
 ) -> dict[str, float]:
     config = apply_overrides(config_module.get_config(preset), overrides)
-    experiment = experiments.get(config.experiment)
+    experiment = groups.get(config.experiment)
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     target = preset_target(config, shape_only)
-    graphdef, params, rest = components.init_draft(config, target, mesh)
-    _, optimizer = components.make_training_optimizer(config, params)
-    opt_state = components.init_optimizer_state(optimizer, params, mesh)
+    graphdef, params, rest = draft_state.init_draft(config, target, mesh)
+    _, optimizer = optimizer_lib.make_training_optimizer(config, params)
+    opt_state = optimizer_lib.init_optimizer_state(optimizer, params, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     key = jax.random.split(jax.random.key(0))
     frozen = jax.device_put(
@@ -105,7 +107,7 @@ def time_step(
             * jax.random.normal(key[0], (target.vocab_size, target.hidden_size), config.target.param_dtype),
             0.02
             * jax.random.normal(key[1], (target.hidden_size, target.vocab_size), config.target.param_dtype),
-            engram_prepare.synthetic_table(config, target.vocab_size)
+            {TABLE: engram_prepare.synthetic_table(config, target.vocab_size)}
             if engram_prepare.uses_engram(config)
             else None,
         ),
@@ -138,7 +140,9 @@ def time_step(
     tokens = config.train.global_batch * config.data.max_length
     flops = (
         config.train.grad_accum
-        * model_flops(components.draft_config(config, target), host_batch["positions"], host_batch["anchors"])
+        * model_flops(
+            draft_state.draft_config(config, target), host_batch["positions"], host_batch["anchors"]
+        )
         if config.experiment == "baseline"
         else float("nan")
     )

@@ -231,7 +231,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
 
 def with_engram(config: config_dict.ConfigDict, experiment: str) -> config_dict.ConfigDict:
     """`config` as one of the Engram groups: the `engram` table section (keys in
-    `dspark_jax/engram/prepare.py`) and the draft's view of the table's shape.
+    `dspark_jax/groups/engram/prepare.py`) and the draft's view of the table's shape.
 
     Paper: orders 2-3 x 8 heads x 160 = 2,560 features; demo and accel: x 36 = 576; smoke: x 4 = 64. The fit
     reads ShareGPT conversations past the ones training uses (the paper preset names no fit source: give

@@ -7,7 +7,7 @@
 
 `m_i = W1[t_{i-1}] + g_i W_V N(e_{i-1})` with a per-position gate from the draft state (+1,966,080 parameters
 at paper shapes). Same presets, caches and loss as configs/baseline.py; the `engram` section
-(dspark_jax/engram/prepare.py) names the table, fitted on ShareGPT text training never sees.
+(dspark_jax/groups/engram/prepare.py) names the table, fitted on ShareGPT text training never sees.
 """
 
 from configs import base

@@ -4,7 +4,7 @@
   python -m dspark_jax.train --config=configs/engram_mask_gated.py:smoke  # tiny random target (seconds)
 
 Zero-initialised per-slot gates keep the first step equal to the baseline's (+6,553,606 parameters at
-paper shapes). Table settings: the `engram` section (dspark_jax/engram/prepare.py).
+paper shapes). Table settings: the `engram` section (dspark_jax/groups/engram/prepare.py).
 """
 
 from configs import base

@@ -4,7 +4,7 @@
   python -m dspark_jax.train --config=configs/engram_mask_replace.py:smoke  # tiny random target (seconds)
 
 No MASK vector, no gates (+6,553,600 parameters at paper shapes). Table settings: the `engram` section
-(dspark_jax/engram/prepare.py).
+(dspark_jax/groups/engram/prepare.py).
 """
 
 from configs import base

@@ -5,7 +5,7 @@ candidates, trained together from scratch.
   python -m dspark_jax.train --config=configs/reranker_joint.py:smoke    # tiny random target (seconds)
 
 Loss: the baseline's plus the rank loss (candidate-set CE on the teacher argmax); `tau_prob` is of the
-reranked distribution, `pre_rerank_tau_prob` of the full-vocabulary one (dspark_jax/experiments/reranker.py).
+reranked distribution, `pre_rerank_tau_prob` of the full-vocabulary one (dspark_jax/groups/reranker/group.py).
 Extra keys: draft.rerank_candidates (16), draft.rerank_width (256; 32 in :smoke), draft.rerank_heads (4),
 draft.rerank_ffn (4 x width). Speculative decoding draws each token from the reranked candidates.
 """

@@ -21,9 +21,9 @@ same letters. Every name in the package, its tests and benchmarks follows this o
   F  rotary frequencies (D/2)
   L  layers
   K  candidates per slot (top-K)
-  U  Engram feature width (Z * W)
-  Z  Engram hash heads (orders x heads per order)
-  W  Engram row width of one hash head
+  U  hashed n-gram feature width (Z * W)
+  Z  n-gram hash heads (orders x heads per order)
+  W  row width of one hash head
 
   attention:
   Q  query heads

@@ -39,8 +39,6 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("aux", None),
     ("rank", None),
-    ("engram", None),
-    ("rerank", None),
 )
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]

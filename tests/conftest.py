@@ -1,11 +1,15 @@
-"""Test-wide setup: 8 fake CPU devices (set before JAX initialises) and shared fixtures."""
+"""Test-wide setup: 8 fake CPU devices and one compilation cache (set before JAX initialises), shared
+fixtures."""
 
 import os
+
+from tests import compilation_cache
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.update({name: os.environ.get(name, value) for name, value in compilation_cache.ENV.items()})
 
 import jax
 import pytest

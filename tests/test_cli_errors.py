@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import compilation_cache
+
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = f"--config={ROOT}/configs/baseline.py:smoke"
 ENGRAM = f"--config={ROOT}/configs/engram_markov.py:smoke"
@@ -14,7 +16,12 @@ FROZEN = f"--config={ROOT}/configs/reranker_frozen.py:smoke"
 
 
 def run(tmp_path, module, *args):
-    env = {"DSPARK_JAX_CACHE": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    env = {
+        **compilation_cache.ENV,
+        "DSPARK_JAX_CACHE": str(tmp_path / "cache"),
+        "JAX_PLATFORMS": "cpu",
+        "PATH": "/usr/bin:/bin",
+    }
     cmd = [sys.executable, "-m", f"dspark_jax.{module}", *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

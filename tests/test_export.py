@@ -25,13 +25,14 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from configs import baseline, memory, reranker_frozen
-from dspark_jax import config_lib
-from dspark_jax.experiments.baseline import block_states
+from dspark_jax.groups.baseline import block_states
+from dspark_jax.run import checkpoints, config_lib, draft_state, target_side
+from dspark_jax.run import optimizer as optimizer_lib
+from dspark_jax.run.checkpoints import Checkpointer
+from dspark_jax.run.deepspec_checkpoint import export_draft, import_draft
 from dspark_jax.target import TargetConfig, target_from_config
 from dspark_jax.target.checkpoint import save_hf_checkpoint
-from dspark_jax.train import components
-from dspark_jax.train.checkpoint import Checkpointer
-from dspark_jax.train.deepspec_checkpoint import export_draft, import_draft
+from tests import compilation_cache
 from tests.references import reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,12 @@ SMOKE_ARGS = [f"--config={ROOT}/configs/baseline.py:smoke", f"--config.draft.mas
 
 
 def _cli(tmp, module, *args):
-    env = {"DSPARK_JAX_CACHE": str(tmp / "cache"), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    env = {
+        **compilation_cache.ENV,
+        "DSPARK_JAX_CACHE": str(tmp / "cache"),
+        "JAX_PLATFORMS": "cpu",
+        "PATH": "/usr/bin:/bin",
+    }
     cmd = [sys.executable, "-m", f"dspark_jax.{module}", *args]
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     return proc, [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -55,7 +61,7 @@ def _smoke_config(group=baseline, mask_row=MASK_ROW):
 def _save_run(config, workdir, mesh, rng):
     """A training checkpoint (step 3, stored config) of a draft with large random parameters."""
     target = TargetConfig.from_json(config.target.arch.to_dict())
-    graphdef, params, rest = components.init_draft(config, target, mesh)
+    graphdef, params, rest = draft_state.init_draft(config, target, mesh)
     flat = []
     for path, var in nnx.to_flat_state(params):
         value = var.get_value()
@@ -63,7 +69,7 @@ def _save_run(config, workdir, mesh, rng):
         new = 1.0 + 0.2 * noise if path[-1] == "scale" else 0.3 * noise
         flat.append((path, var.replace(jax.device_put(jnp.asarray(new, value.dtype), value.sharding))))
     params = nnx.from_flat_state(flat)
-    _, optimizer = components.make_training_optimizer(config, params)
+    _, optimizer = optimizer_lib.make_training_optimizer(config, params)
     state = {"params": params, "opt_state": jax.jit(optimizer.init)(params)}
     with Checkpointer(workdir / "checkpoints") as checkpointer:
         checkpointer.save(3, state, meta={"step": 3, "config": config_lib.to_stored(config)}, force=True)
@@ -88,21 +94,22 @@ def exported(tmp_path_factory, mesh8):
     return tmp, draft, tmp / "deepspec", tmp / "in"
 
 
+@pytest.mark.slow
 def test_export_then_import_is_bitwise_and_a_run(exported, mesh8):
     _, (_, params, _), _, imported = exported
-    config = components.run_config(imported)  # what evaluate and speculate read
+    config = checkpoints.run_config(imported)  # what evaluate and speculate read
     assert config_lib.to_stored(config) == config_lib.to_stored(_smoke_config())
     target = TargetConfig.from_json(config.target.arch.to_dict())
-    _, restored, _, step = components.restore_draft(config, target, mesh8, imported)
+    _, restored, _, step = draft_state.restore_draft(config, target, mesh8, imported)
     assert step == 0
     want, got = _host(params), _host(restored)
     assert want.keys() == got.keys()
     for path, value in want.items():
         assert got[path].dtype == value.dtype and np.array_equal(got[path], value), path
     with Checkpointer(imported / "checkpoints") as checkpointer:  # the full training state is there
-        _, optimizer = components.make_training_optimizer(config, restored)
+        _, optimizer = optimizer_lib.make_training_optimizer(config, restored)
         state = {"params": restored, "opt_state": jax.jit(optimizer.init)(restored)}
-        checkpointer.restore(0, components.abstract_state(state, mesh8))
+        checkpointer.restore(0, draft_state.abstract_state(state, mesh8))
 
 
 def test_config_json_is_deepspecs(exported):
@@ -141,7 +148,7 @@ def test_import_reads_a_bfloat16_sharded_directory(exported, mesh8):
     config = _smoke_config()
     import_draft(config, tmp / "bf16", tmp / "bf16_run")
     target = TargetConfig.from_json(config.target.arch.to_dict())
-    _, restored, _, _ = components.restore_draft(config, target, mesh8, tmp / "bf16_run")
+    _, restored, _, _ = draft_state.restore_draft(config, target, mesh8, tmp / "bf16_run")
     want, got = _host(params), _host(restored)
     for path, value in want.items():
         rounded = value.astype(ml_dtypes.bfloat16).astype(np.float32)
@@ -154,9 +161,9 @@ def test_a_frozen_baseline_reranker_starts_from_the_import(exported, mesh8):
     config = _smoke_config(reranker_frozen)
     config.init.checkpoint, config.init.step = str(imported), 0
     target = TargetConfig.from_json(config.target.arch.to_dict())
-    source = components.init_source(config)
-    _, fresh, _ = components.init_draft(config, target, mesh8)
-    warm = _host(components.warm_start(config, target, mesh8, fresh, source))
+    source = draft_state.init_source(config)
+    _, fresh, _ = draft_state.init_draft(config, target, mesh8)
+    warm = _host(draft_state.warm_start(config, target, mesh8, fresh, source))
     for path, value in _host(params).items():
         assert np.array_equal(warm[path], value), path
 
@@ -237,7 +244,9 @@ def test_exported_files_reproduce_the_drafts_logits(exported, mesh8):
     _, (graphdef, params, rest), directory, _ = exported
     config = _smoke_config()
     model = nnx.merge(graphdef, params, rest)
-    side = components.side_from_target(target_from_config(config.target, seed=config.seed, mesh=mesh8), mesh8)
+    side = target_side.side_from_target(
+        target_from_config(config.target, seed=config.seed, mesh=mesh8), mesh8
+    )
     rng = np.random.default_rng(1)
     b, t, a, h = 2, 40, len(config.data.aux_layer_ids), side.config.hidden_size
     ids_BxT = rng.integers(0, side.config.vocab_size, (b, t)).astype(np.int32)
@@ -380,9 +389,9 @@ def test_training_continues_from_an_imported_draft(exported, mesh8):
     )
     assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
     assert "resumed from step 0" in (run / "train.log").read_text()
-    config = components.run_config(run)
+    config = checkpoints.run_config(run)
     target = TargetConfig.from_json(config.target.arch.to_dict())
-    _, trained, _, step = components.restore_draft(config, target, mesh8, run)
+    _, trained, _, step = draft_state.restore_draft(config, target, mesh8, run)
     # At a learning rate of 1e-30 the imported parameters come out unchanged: they are where training started.
     assert step == 1
     want, got = _host(params), _host(trained)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,6 +20,7 @@ def _run(*args):
     )
 
 
+@pytest.mark.slow
 def test_generate_cli_writes_replies_per_turn(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text(

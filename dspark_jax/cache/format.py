@@ -10,7 +10,6 @@ through tensorstore kvstores, never the local filesystem API)::
     shards/00000/loss_mask        zarr3 uint8    [N_tok]
     shards/00000/aux_hidden       zarr3 bfloat16 [N_tok, n_aux, H]
     shards/00000/last_hidden      zarr3 bfloat16 [N_tok, H]
-    shards/00000/engram           zarr3 bfloat16 [N_tok, D_e]   (only if engram_dim is set)
     shards/00000/offsets          zarr3 int64    [n + 1]  shard-local token offsets
 
 Shard ``i`` of ``num_shards`` holds the contiguous global samples
@@ -49,7 +48,6 @@ DTYPES: dict[str, np.dtype] = {
     "loss_mask": np.dtype(np.uint8),
     "aux_hidden": BF16,
     "last_hidden": BF16,
-    "engram": BF16,
     "offsets": np.dtype(np.int64),
 }
 _ZARR_DTYPES = {"int32": "int32", "uint8": "uint8", "bfloat16": "bfloat16", "int64": "int64"}
@@ -62,7 +60,7 @@ class CacheSpec:
     aux_layer_ids: target layers whose outputs form ``aux_hidden`` (-1 = embedding output).
     hidden_size: target hidden size H. num_shards: number of independently writable shards.
     target: free-form identity of the target (source, fingerprint / weight hash, ...).
-    tokenizer_fingerprint: hash of the tokenizer. engram_dim: D_e of the optional engram array.
+    tokenizer_fingerprint: hash of the tokenizer.
     chunk_tokens: zarr chunk length along N_tok, also the checksum block length. A random read
     decodes whole chunks, so keep it near the typical sample length (512: ~650 samples/s at
     T=512, A=3, H=576 on 2 CPU cores, vs ~90 samples/s with 2048).
@@ -73,7 +71,6 @@ class CacheSpec:
     num_shards: int
     target: dict[str, Any]
     tokenizer_fingerprint: str
-    engram_dim: int | None = None
     chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
@@ -84,8 +81,7 @@ class CacheSpec:
     @property
     def array_names(self) -> tuple[str, ...]:
         """The token-major arrays of every shard, in a fixed order."""
-        base = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
-        return (*base, "engram") if self.engram_dim else base
+        return ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
     def token_shape(self, name: str) -> tuple[int, ...]:
         """Per-token trailing shape of a token-major array."""
@@ -94,7 +90,6 @@ class CacheSpec:
             "loss_mask": (),
             "aux_hidden": (len(self.aux_layer_ids), self.hidden_size),
             "last_hidden": (self.hidden_size,),
-            "engram": (self.engram_dim or 0,),
         }[name]
 
     def to_json(self) -> dict[str, Any]:
@@ -104,6 +99,14 @@ class CacheSpec:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CacheSpec:
+        """The spec of a manifest. Caches written before 2026-12 also record the width of an optional
+        per-token array that no writer ever filled (null): keys this spec does not know are dropped when
+        null and refused otherwise."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = {k: v for k, v in d.items() if k not in known}
+        if any(v is not None for v in unknown.values()):
+            raise ValueError(f"the cache spec records {unknown} that this version does not read; rebuild it")
+        d = {k: v for k, v in d.items() if k in known}
         return cls(**{**d, "aux_layer_ids": tuple(d["aux_layer_ids"])})
 
 

@@ -17,7 +17,6 @@ _EXPECT_KEYS = {
     "hidden_size": lambda m: m["spec"]["hidden_size"],
     "tokenizer_fingerprint": lambda m: m["spec"]["tokenizer_fingerprint"],
     "target_fingerprint": lambda m: m["spec"]["target"].get("fingerprint"),
-    "engram_dim": lambda m: m["spec"]["engram_dim"],
 }
 
 
@@ -52,9 +51,9 @@ class CacheDataSource:
     """grain RandomAccessDataSource over a dspark_jax cache, in the original global sample order.
 
     ``ds[i]`` -> dict of numpy arrays: input_ids int32[T], loss_mask uint8[T],
-    aux_hidden bfloat16[T, n_aux, H], last_hidden bfloat16[T, H] (+ engram bfloat16[T, D_e]).
+    aux_hidden bfloat16[T, n_aux, H], last_hidden bfloat16[T, H].
     ``expect`` checks the manifest (keys: aux_layer_ids, hidden_size, tokenizer_fingerprint,
-    target_fingerprint, engram_dim). An incomplete cache raises unless ``allow_incomplete``, which
+    target_fingerprint). An incomplete cache raises unless ``allow_incomplete``, which
     exposes only committed samples (each shard's committed prefix, in shard order). Picklable:
     tensorstore handles are reopened lazily in each process.
     """

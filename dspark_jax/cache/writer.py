@@ -171,7 +171,7 @@ class ShardWriter:
 
     def append(self, samples: Sequence[Mapping[str, np.ndarray]]) -> None:
         """Write ``samples`` (dicts of input_ids int32[T], loss_mask uint8[T], aux_hidden bf16[T,A,H],
-        last_hidden bf16[T,H], engram bf16[T,D_e] if configured) after the committed ones, then commit.
+        last_hidden bf16[T,H]) after the committed ones, then commit.
         """
         if self.complete:
             raise ValueError(f"shard {self.shard} is already finalized")

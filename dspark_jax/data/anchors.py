@@ -1,4 +1,4 @@
-"""Anchor sampling on the host (DESIGN.md section 2), in pure numpy.
+"""Anchor sampling on the host (docs/design.md section 1), in pure numpy.
 
 Notation (the legend in `dspark_jax/__init__.py`): `T` sequence length, `N` anchors (blocks) per
 sample. An anchor is a position `a` with `loss_mask[a] = 1` and `loss_mask[a + 1] = 1`. What each

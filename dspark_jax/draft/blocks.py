@@ -1,4 +1,4 @@
-"""Block index math on device (DESIGN.md section 2): what each block predicts, from what, and what counts.
+"""Block index math on device (docs/design.md section 1): what each block predicts, from what, what counts.
 
 A block at anchor `a` has `S` slots at positions `a + i` (`i = 0..S-1`). Prediction `i` (slot i's
 output) predicts `x[a+1+i]` (its CE label), its teacher is `S[a+i]` (the target's post-norm state

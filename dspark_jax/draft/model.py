@@ -1,6 +1,6 @@
 """The DSpark block draft (Flax NNX): aux projection, block backbone, Markov and confidence heads.
 
-Notation (DESIGN.md section 2; shape letters: the legend in `dspark_jax/__init__.py`): a block
+Notation (docs/design.md section 1; shape letters: the legend in `dspark_jax/__init__.py`): a block
 with anchor `a` has `S = 7` slots at RoPE positions `a + i`; slot 0 holds `E(x[a])`, slots
 1..6 `E(MASK)`; prediction `i` (slot i's output `h[i]`) predicts `x[a+1+i]`. Context features
 `c[j] = RMSNorm(W_aux [H_l1[j]; H_l2[j]; H_l3[j]])` are visible to the block for `j < a` only.
@@ -133,12 +133,12 @@ class DraftMemory(NamedTuple):
 
 
 class FrozenTarget(NamedTuple):
-    """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft, plus the frozen
-    Engram table of the Engram groups (`dspark_jax.engram.EngramTable`; None for the others)."""
+    """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft, plus the frozen side
+    inputs of the run's group (`{name: pytree}`, declared by `Experiment.side_inputs`; None: none)."""
 
     embedding_VxH: jax.Array
     lm_head_HxV: jax.Array
-    engram: Any = None
+    side_inputs: Any = None
 
 
 class DraftLayer(DecoderBlock):
@@ -281,11 +281,9 @@ class DSparkDraft(nnx.Module):
             return frozen.embedding_VxH[self.cfg.mask_token_id]
         return self.mask_embedding.get_value()
 
-    def block_inputs(
-        self, frozen: FrozenTarget, anchor_tokens_BxN: jax.Array, engram_BxNxU: jax.Array | None = None
-    ) -> jax.Array:
-        """Baseline block inputs `[E(x[a]), E(MASK) x (S-1)]`, `[B, N, S, H]`. `engram_BxNxU` (the
-        pre-anchor Engram features) is for the Engram-MASK drafts; the baseline reads none."""
+    def block_inputs(self, frozen: FrozenTarget, anchor_tokens_BxN: jax.Array) -> jax.Array:
+        """Baseline block inputs `[E(x[a]), E(MASK) x (S-1)]`, `[B, N, S, H]` (a group's draft may build
+        its own from more inputs)."""
         anchor_BxNxH = jnp.take(frozen.embedding_VxH, anchor_tokens_BxN, axis=0)
         b, n = anchor_tokens_BxN.shape
         mask_BxNxSxH = jnp.broadcast_to(
@@ -319,11 +317,9 @@ class DSparkDraft(nnx.Module):
             preferred_element_type=jnp.float32,
         )
 
-    def markov_features(
-        self, h_xH: jax.Array, predecessors_x: jax.Array, engram_xU: jax.Array | None = None
-    ) -> jax.Array:
-        """The Markov representation `m = W1[t]` `[..., R]` of each prediction's predecessor `t`.
-        `engram_xU` (the predecessor prefix's Engram features) is for Engram-Markov; unused here."""
+    def markov_features(self, h_xH: jax.Array, predecessors_x: jax.Array) -> jax.Array:
+        """The Markov representation `m = W1[t]` `[..., R]` of each prediction's predecessor `t` (a group's
+        draft may add to it from more inputs)."""
         return self.markov.features(predecessors_x).astype(self.dtype)
 
     def corrected(
@@ -332,15 +328,16 @@ class DSparkDraft(nnx.Module):
         h_xH: jax.Array,
         predecessors_x: jax.Array,
         columns_xK: jax.Array | None = None,
-        engram_xU: jax.Array | None = None,
+        m_xR: jax.Array | None = None,
     ) -> dict:
-        """Markov-corrected logits `l = l0 + W2 m` and confidence logits `w_c . [h; m] + b_c`, with
-        `m = markov_features(h, t, engram)`.
+        """Markov-corrected logits `l = l0 + W2 m` and confidence logits `w_c . [h; m] + b_c`, with the
+        Markov representation `m_xR` (default `markov_features(h, t)`).
 
         With `columns_xK` the base logits are those of the vocabulary ids `columns_xK` (`[..., K]`) and
         so are the corrected ones.
         """
-        m_xR = self.markov_features(h_xH, predecessors_x, engram_xU)
+        if m_xR is None:
+            m_xR = self.markov_features(h_xH, predecessors_x)
         confidence = self.confidence(jnp.concatenate([h_xH.astype(self.dtype), m_xR], axis=-1))
         return {
             "logits": base_logits_xV + self.markov.bias(m_xR, columns_xK),
@@ -352,9 +349,9 @@ class DSparkDraft(nnx.Module):
         frozen: FrozenTarget,
         h_xSxH: jax.Array,
         predecessors_xS: jax.Array,
-        engram_xSxU: jax.Array | None = None,
+        m_xSxR: jax.Array | None = None,
     ) -> dict[str, jax.Array]:
         """Corrected logits (float32 `[..., S, V]`) and confidence logits for teacher-forced predecessors
-        (and their Engram features, for Engram-Markov)."""
+        (`m_xSxR` as `corrected`'s `m_xR`)."""
         base_xSxV = self.base_logits(frozen, h_xSxH)
-        return self.corrected(base_xSxV, h_xSxH, predecessors_xS, engram_xU=engram_xSxU)
+        return self.corrected(base_xSxV, h_xSxH, predecessors_xS, m_xR=m_xSxR)

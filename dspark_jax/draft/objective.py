@@ -1,9 +1,9 @@
-"""DSpark training objective and teacher-forced offline metrics (DESIGN.md section 2), chunked over anchors.
+"""DSpark training objective and teacher-forced offline metrics (docs/design.md section 1), by anchor chunk.
 
 Notation: shape letters follow the legend in `dspark_jax/__init__.py` (`B` samples, `N` anchors
 (blocks) per sample, `S = 7` predictions per block, `H` hidden size, `V` vocabulary, `C` anchors per
 chunk). Prediction `i` of the block at anchor `a` predicts `x[a+1+i]` (`labels`), its teacher is
-`p_i = softmax(S[a+i] @ lm_head)` (`teacher_hidden` holds `S[a+i]`, DESIGN.md's name for the target's
+`p_i = softmax(S[a+i] @ lm_head)` (`teacher_hidden` holds `S[a+i]`, the design notes' name for the target's
 post-norm final state: a value, not the shape letter `S`), the draft distribution is
 `q_i = softmax(l_i)` with the Markov-corrected logits `l_i` of a caller-supplied head, and the overlap
 is `a_i = sum_v min(p_i, q_i)`. With `w_i = exp(-i/4) * eval_mask_i`:

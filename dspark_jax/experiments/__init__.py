@@ -1,6 +1,3 @@
-"""Experiment groups (the seed's seven), each registered once in `registry`; see `registry.Experiment`."""
+"""`python -m dspark_jax.experiments --suite=seed`: runs an experiment suite (`dspark_jax.cli.suite`).
 
-from dspark_jax.experiments import baseline, engram, memory, reranker
-from dspark_jax.experiments.registry import Experiment, get, names, register
-
-__all__ = ["Experiment", "baseline", "engram", "get", "memory", "names", "register", "reranker"]
+The groups themselves live in `dspark_jax.groups`."""

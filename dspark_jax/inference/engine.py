@@ -4,7 +4,7 @@ Per request, `p` tokens have target states in both caches and the next token `x[
 known but not yet fed to the target. One cycle:
 
 1. draft: one backbone pass over the block `[E(x[p]), MASK x 6]` at positions `p..p+6`,
-   attending to the cached draft context `j < p` (DESIGN.md section 2 at inference);
+   attending to the cached draft context `j < p` (docs/design.md section 1 at inference);
 2. select: the Markov head picks `d_1..d_7` one by one, each from its own corrected logits
    given the previous choice (greedy, or sampled with temperature / top-p); with
    `select_top_k = K` the correction is computed for the K best base logits of each slot only
@@ -23,7 +23,7 @@ Prompts are right-padded, so cache slots equal positions.
 
 Steps 1-2 belong to the experiment group: a `Proposer` (registered with the group in
 `dspark_jax.experiments`) makes the block and may carry per-request state across cycles
-(Draft Memory's last-round hidden states, the Engram groups' recent tokens).
+(e.g. the last round's hidden states, or the request's recent tokens).
 """
 
 from __future__ import annotations
@@ -123,13 +123,14 @@ def draft_hidden(
     draft: DSparkDraft,
     frozen: FrozenTarget,
     state: SpecState,
+    x_Bx1xSxH: jax.Array | None = None,
     memory: DraftMemory | None = None,
-    engram_BxU: jax.Array | None = None,
 ) -> jax.Array:
-    """Draft states `h [B, S, H]` of the block anchored at `p` (context `j < p`; `memory` of one block
-    per row, `[B, 1, M, ...]`; `engram_BxU` the pre-anchor Engram features of Engram-MASK)."""
-    engram_Bx1xU = None if engram_BxU is None else engram_BxU[:, None]
-    x_Bx1xSxH = draft.block_inputs(frozen, state.pending_B[:, None], engram_Bx1xU)
+    """Draft states `h [B, S, H]` of the block anchored at `p` (context `j < p`) from its inputs
+    `x_Bx1xSxH` (default the draft's `block_inputs` of `x[p]`); `memory` of one block per row,
+    `[B, 1, M, ...]`, is the attention's memory operand (`[context; memory; block]`)."""
+    if x_Bx1xSxH is None:
+        x_Bx1xSxH = draft.block_inputs(frozen, state.pending_B[:, None])
     ctx_kvs = list(zip(state.draft_k, state.draft_v))
     return draft.backbone(x_Bx1xSxH, ctx_kvs, state.target_cache.end_B[:, None], memory)[:, 0]
 
@@ -141,18 +142,19 @@ def markov_select(
     state: SpecState,
     rng,
     settings: SpecSettings,
-    predecessor_features: Callable[[jax.Array], jax.Array] | None = None,
+    markov_features: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     rescore: Callable | None = None,
 ) -> Proposals:
     """Sequential Markov selection: each slot's token from its corrected logits given the previous choice.
 
-    `predecessor_features(token_B)`, called once per slot in order with that slot's predecessor (the
-    anchor, then each choice), returns the features `[B, U]` the Markov head reads with it (Engram-Markov's
-    lookup of the drafted prefix); None = the plain Markov head.
+    `markov_features(h_BxH, token_B)`, called once per slot in order with that slot's state and
+    predecessor (the anchor, then each choice), returns the Markov representation `[B, R]` the
+    correction reads (a group's own, e.g. from the drafted prefix); None = the draft's `markov_features`.
 
     `rescore(i, h_BxH, predecessor_B, logits_BxC, columns_BxC)` (C = V, or K with `select_top_k`;
     `columns` None for the whole vocabulary), called once per slot after the Markov correction, returns
-    `(scores_BxK, columns_BxK)`: the slot's candidates and the scores it draws from (the prefix reranker).
+    `(scores_BxK, columns_BxK)`: the slot's candidates and the scores it draws from (a group that rescores
+    the candidates).
 
     With `settings.select_top_k = K` each slot's candidates are its K best base logits and the Markov
     correction reads only their K columns of `W2` (the full `[R, V]` matrix is otherwise read once per
@@ -170,8 +172,8 @@ def markov_select(
     drafts, logits, confidence = [], [], []
     for i in range(h_BxSxH.shape[1]):
         columns = None if columns_BxSxK is None else columns_BxSxK[:, i]
-        engram_BxU = None if predecessor_features is None else predecessor_features(token_B)
-        out = draft.corrected(base_BxSxV[:, i], h_BxSxH[:, i], token_B, columns, engram_BxU)
+        m_BxR = None if markov_features is None else markov_features(h_BxSxH[:, i], token_B)
+        out = draft.corrected(base_BxSxV[:, i], h_BxSxH[:, i], token_B, columns, m_BxR)
         scores = out["logits"]
         if rescore is not None:
             scores, columns = rescore(i, h_BxSxH[:, i], token_B, scores, columns)

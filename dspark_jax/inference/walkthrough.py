@@ -3,7 +3,7 @@ correction chose, how confident it was, and what the target accepted.
 
 Runs the decoder's own phases (prefill, the proposer's draft pass and selection, verification) once on one
 prompt, so the table shows exactly what decoding computes; the draft's uncorrected choice is the argmax of
-its base logits `l0` (before the Markov head, Engram-Markov's features or the reranker).
+its base logits `l0` (before the Markov head and anything the group adds to the selection).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """What a suite runs: its groups (config files, who starts from whom) and the inference protocol per preset.
 
-The `seed` suite is the seed's seven groups at one step budget on one shared cache. Every group trains the
-preset's `train.stop_step` steps; the frozen reranker trains that many new steps on top of the baseline's
-final checkpoint (its metrics are on the cumulative step axis).
+A suite's groups come from the registry (`Experiment.suites`, in registration order): the `seed` suite is
+the seed's seven groups at one step budget on one shared cache. Every group trains the preset's
+`train.stop_step` steps; a group that starts from another's checkpoint (`Experiment.init_from`) trains that
+many new steps on top of that group's final checkpoint (its metrics are on the cumulative step axis).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import importlib
 import sys
 from collections.abc import Mapping, Sequence
 
-from dspark_jax import config_lib
-from dspark_jax.cli import REPO_ROOT, with_absolute_paths
-from dspark_jax.config_lib import UsageError
+from dspark_jax import groups as registry
+from dspark_jax.errors import UsageError
+from dspark_jax.run import config_lib
+from dspark_jax.run.config_lib import REPO_ROOT, with_absolute_paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +31,13 @@ class Group:
     starts_from: str | None = None
 
 
-SUITES: dict[str, tuple[Group, ...]] = {
-    "seed": (
-        Group("baseline", "Baseline", "baseline"),
-        Group("engram_markov", "Engram-Markov", "engram_markov"),
-        Group("engram_mask_gated", "Engram-MASK gated", "engram_mask_gated"),
-        Group("engram_mask_replace", "Engram-MASK replace", "engram_mask_replace"),
-        Group("memory", "Draft Memory", "memory"),
-        Group("reranker_joint", "Prefix reranker joint", "reranker_joint"),
-        Group("reranker_frozen", "Prefix reranker frozen", "reranker_frozen", starts_from="baseline"),
-    ),
-}
+def suites() -> dict[str, tuple[Group, ...]]:
+    """Every suite of the registered groups: `{suite: its groups in registration order}`."""
+    out: dict[str, list[Group]] = {}
+    for e in registry.registered():
+        for suite in e.suites:
+            out.setdefault(suite, []).append(Group(e.name, e.display_name, e.name, e.init_from))
+    return {suite: tuple(members) for suite, members in out.items()}
 
 
 SCHEDULES = ("fixed", "confidence")
@@ -91,9 +89,10 @@ PROTOCOLS = {
 
 def groups(suite: str, names: Sequence[str] = ()) -> tuple[Group, ...]:
     """The suite's groups, or the named subset with every group they start from (in suite order)."""
-    if suite not in SUITES:
-        raise UsageError(f"--suite={suite!r} is not a suite; choose one of {sorted(SUITES)}")
-    members = {g.name: g for g in SUITES[suite]}
+    known = suites()
+    if suite not in known:
+        raise UsageError(f"--suite={suite!r} is not a suite; choose one of {sorted(known)}")
+    members = {g.name: g for g in known[suite]}
     unknown = [n for n in names if n not in members]
     if unknown:
         raise UsageError(f"--groups: {unknown[0]!r} is not in suite {suite!r}; choose from {list(members)}")
@@ -102,7 +101,7 @@ def groups(suite: str, names: Sequence[str] = ()) -> tuple[Group, ...]:
         while members[name].starts_from:
             name = members[name].starts_from
             wanted.add(name)
-    return tuple(g for g in SUITES[suite] if g.name in wanted)
+    return tuple(g for g in known[suite] if g.name in wanted)
 
 
 def command_line(record: Mapping) -> str:
@@ -111,7 +110,7 @@ def command_line(record: Mapping) -> str:
     suite, preset, protocol = record["suite"], record["preset"], record["protocol"]
     default = PROTOCOLS[preset]
     flags = [f"--suite={suite}", f"--preset={preset}"]
-    if record["groups"] != [g.name for g in SUITES[suite]]:
+    if record["groups"] != [g.name for g in suites()[suite]]:
         flags.append("--groups=" + ",".join(record["groups"]))
     flags += [f"--override={o}" for o in record["overrides"]]
     for name in ("limit", "max_new_tokens", "concurrency"):
@@ -150,7 +149,7 @@ def group_config(group: Group, preset: str, overrides: Sequence[str] = ()):
                     node = node[part]
                 current = node[name]
             except (KeyError, AttributeError):
-                continue  # a key of another group's config (e.g. engram.* for the baseline)
+                continue  # a key of another group's config (a section only that group has)
             try:
                 node[name] = _value(text, current)
             except (ValueError, SyntaxError, TypeError) as e:

@@ -15,22 +15,16 @@ from collections.abc import Mapping
 
 from etils import epath
 
-from dspark_jax import plots
-from dspark_jax.suite import plan
+from dspark_jax import groups as registry
+from dspark_jax.run import checkpoints
+from dspark_jax.suite import plan, plots
 from dspark_jax.suite.runner import PARAMS_FILE, SPECULATE_DIR, SUITE_FILE, TARGET_ONLY_DIR, setting_name
-from dspark_jax.train import components
-from dspark_jax.train.loop import SUMMARY_FILE
-from dspark_jax.train.metrics_writer import METRICS_FILE, MetricWriter
+from dspark_jax.training.loop import SUMMARY_FILE
+from dspark_jax.training.metrics_writer import METRICS_FILE, MetricWriter
 
 REPORT_FILE = "report.md"
 DATA_DIR = "data"
 PLOTS = ("tau_prob.png", "accept_rate.png", "accepted_length.png")
-RERANK_METRICS = (
-    ("rerank_tau_gain", "rerank tau gain"),
-    ("rerank_target_agreement_gain", "agreement gain"),
-    ("reranker/candidate_recall", "candidate recall"),
-    ("rerank_teacher_forced_prefix_gain", "prefix gain"),
-)
 # Inference scalars mirrored to TensorBoard (`<root>/<group>/inference/`), one step per run.
 INFERENCE_SCALARS = ("mal_pooled", "mal_per_request", "tokens_per_second", "loop_ms_per_cycle")
 
@@ -53,7 +47,7 @@ def collect(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
         workdir = root / name
         for file in (METRICS_FILE, SUMMARY_FILE):
             _copy(workdir / file, data / name / file)
-        sts = components.calibration_file(workdir, components.checkpoint_step(workdir))
+        sts = checkpoints.calibration_file(workdir, checkpoints.checkpoint_step(workdir))
         if sts.exists():
             _copy(sts, data / name / "sts.json")
             _copy(sts.parent / "reliability_greedy.png", epath.Path(out) / f"calibration_{name}.png")
@@ -99,11 +93,39 @@ def _markdown(head: list[str], body: list[list[str]]) -> list[str]:
 
 
 def _label(name: str) -> str:
-    return next((g.label for suite in plan.SUITES.values() for g in suite if g.name == name), name)
+    experiment = registry.find(name)
+    return experiment.display_name if experiment else name
+
+
+def _notes(groups: list[_Group]) -> str:
+    """The groups' notes on reading their figures (`Experiment.report_note`), one sentence each."""
+    found = (registry.find(g.name) for g in groups)
+    return "".join(f" {e.report_note}" for e in found if e and e.report_note)
+
+
+def _starts(groups: list[_Group]) -> str:
+    """Which groups start from another's final checkpoint (`Experiment.init_from`)."""
+    found = [e for e in (registry.find(g.name) for g in groups) if e and e.init_from]
+    return "".join(
+        f"; {e.display_name} starts from {_label(e.init_from)}'s final checkpoint and trains as many new"
+        " steps (its steps are cumulative)"
+        for e in found
+    )
+
+
+def _group_columns(groups: list[_Group]) -> list[tuple[str, str]]:
+    """The groups' own metric columns (`Experiment.report_columns`), each once, in group order."""
+    columns = {}
+    for g in groups:
+        experiment = registry.find(g.name)
+        for key, title in experiment.report_columns if experiment else ():
+            columns.setdefault(key, title)
+    return list(columns.items())
 
 
 def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int) -> list[str]:
     rates = [f"acc@{i}" for i in range(block)]
+    own = _group_columns(groups)
     head = [
         "group",
         "step",
@@ -114,7 +136,7 @@ def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int)
         "tok/s T=0 (speedup)",
         "s/step",
         "params added",
-        *(title for _, title in RERANK_METRICS),
+        *(title for _, title in own),
     ]
     body = []
     for g in groups:
@@ -135,7 +157,7 @@ def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int)
             speed,
             _num(statistics.median(g.step_seconds) if g.step_seconds else None, 2),
             "-" if added is None else f"{added:+,}",
-            *(_signed(f.get(f"eval/{key}")) for key, _ in RERANK_METRICS),
+            *(_signed(f.get(f"eval/{key}")) for key, _ in own),
         ]
         body.append(cells)
     return _markdown(head, body)
@@ -269,8 +291,8 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
         " MAL and tokens/s are speculative decoding with real target verification (the fixed schedule"
         " where it ran, else the confidence schedule)"
         " (`data/<group>/speculate/`); s/step is the median of the logged `train/step_seconds`; params added"
-        " are draft parameters beyond the baseline's (`data/params.json`). The rerank columns are the"
-        " reranker groups' `eval/` metrics. Draft Memory's tau_prob is measured on its stage-2 anchors.",
+        " are draft parameters beyond the baseline's (`data/params.json`). The columns after it are"
+        " particular groups' own `eval/` metrics." + _notes(groups),
         "",
         *_results_table(groups, params, block),
         "",
@@ -296,8 +318,7 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
         "## Protocol",
         "",
         f"- Groups: {', '.join(_label(g.name) for g in groups)}; each trains its preset's `train.stop_step`"
-        " steps on the same caches; the frozen reranker starts from the baseline's final checkpoint and"
-        " trains as many new steps (its steps are cumulative).",
+        f" steps on the same caches{_starts(groups)}.",
         *(
             f"- {_label(g.name)}: step {g.summary['step']} (+{g.summary['pretrained_steps']} pretrained),"
             f" wall {wall.get(g.name, 0.0) / 60:.1f} min in the suite"

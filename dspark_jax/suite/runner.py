@@ -27,14 +27,13 @@ from collections.abc import Callable, Sequence
 import jax
 from etils import epath
 
-from dspark_jax import config_lib, sharding
-from dspark_jax.cli import REPO_ROOT
+from dspark_jax import sharding
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
-from dspark_jax.inference import measure
-from dspark_jax.suite import plan
+from dspark_jax.run import checkpoints, config_lib, draft_state
+from dspark_jax.run.config_lib import REPO_ROOT
+from dspark_jax.suite import measure, plan
 from dspark_jax.target import TargetConfig, target_from_config
-from dspark_jax.train import components
-from dspark_jax.train.loop import SUMMARY_FILE, train
+from dspark_jax.training.loop import SUMMARY_FILE, train
 
 log = logging.getLogger("dspark_jax.suite")
 SUITE_FILE = "suite.json"
@@ -170,8 +169,8 @@ class SuiteRun:
 
     def _calibrate(self, group: plan.Group) -> bool:
         workdir = self.workdir(group.name)
-        config = components.run_config(workdir)
-        path = components.calibration_file(workdir, components.checkpoint_step(workdir))
+        config = checkpoints.run_config(workdir)
+        path = checkpoints.calibration_file(workdir, checkpoints.checkpoint_step(workdir))
         if path.exists():
             return False
         log.info("suite: calibrating the confidence head of %s", group.name)
@@ -182,7 +181,7 @@ class SuiteRun:
         counts = {}
         for group in self.groups:
             config = self.configs[group.name]
-            _, params, _ = components.abstract_draft(
+            _, params, _ = draft_state.abstract_draft(
                 config, TargetConfig.from_json(config.target.arch.to_dict())
             )
             counts[group.name] = sum(x.size for x in jax.tree.leaves(params))
@@ -205,7 +204,7 @@ class SuiteRun:
         ]
         if not todo:
             return
-        first = components.run_config(self.workdir(self.groups[0].name))
+        first = checkpoints.run_config(self.workdir(self.groups[0].name))
         mesh = sharding.make_mesh(first.mesh.to_dict())
         target = target_from_config(first.target, seed=first.seed, mesh=mesh)
         conversations = read_turns_jsonl(GSM8K_VAL256)[: p.limit or None]
@@ -224,7 +223,7 @@ class SuiteRun:
 
     def _speculate(self, group, temperature, schedule, target, mesh, conversations) -> bool:
         workdir = self.workdir(group.name)
-        config = components.run_config(workdir)
+        config = checkpoints.run_config(workdir)
         s = measure.DecodeSettings(
             temperature=temperature,
             seed=config.seed,

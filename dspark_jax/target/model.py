@@ -2,9 +2,9 @@
 
 One forward serves cache building (aux layer outputs and the post-norm final state for a
 whole sequence), generation and speculative verification (new tokens appended to a KV
-cache). Index conventions follow DESIGN.md section 2: aux layer `l` is the output of
+cache). Index conventions follow docs/design.md section 1: aux layer `l` is the output of
 decoder layer `l` before the final norm, `-1` the embedding output, and `hidden` is `S`,
-the final state after the final norm (DESIGN.md's name for a value, not the shape letter `S`).
+the final state after the final norm (the design notes' name for a value, not the shape letter `S`).
 Shape letters in names follow the legend in `dspark_jax/__init__.py`.
 """
 

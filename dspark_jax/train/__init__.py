@@ -1,1 +1,2 @@
-"""Training infrastructure: optimizer and schedule, orbax checkpoints, preemption, metrics, progress."""
+"""`python -m dspark_jax.train`: the training command (`dspark_jax.cli.train`); training itself is in
+`dspark_jax.training`."""

@@ -93,17 +93,27 @@ def test_round_trip_bit_exact(tmp_path, num_shards):
     assert cache.verify(str(tmp_path)) == 7
 
 
-def test_engram_and_estimate(tmp_path):
-    spec = cache.CacheSpec(**{**SPEC.to_json(), "engram_dim": 4})
+def test_estimate_counts_every_token_array():
+    assert cache.estimate_bytes(10, SPEC) == 10 * (4 + 1 + 2 * A * H + 2 * H) + 8 * SPEC.num_shards
+
+
+def test_a_cache_of_the_first_layout_opens_and_a_filled_optional_array_is_refused(tmp_path):
+    """Manifests written before 2026-12 record the width of an optional per-token array that no writer ever
+    filled (null): such a cache still opens, resumes and verifies; a non-null width is refused by name."""
     samples = make_samples(3)
-    for s in samples:
-        s["engram"] = np.full((len(s["input_ids"]), 4), 0.5, ml_dtypes.bfloat16)
-    build(str(tmp_path), samples, spec)
+    build(str(tmp_path), samples, SPEC)
     cache.finalize(str(tmp_path))
-    ds = cache.open_cache(str(tmp_path))
+    kv = fmt.open_kvstore(str(tmp_path))
+    manifest = fmt.read_json(kv, fmt.MANIFEST)
+    fmt.write_json(kv, fmt.MANIFEST, {**manifest, "spec": {**manifest["spec"], "engram_dim": None}})
+    ds = cache.CacheDataSource(str(tmp_path), expect={"hidden_size": H})
     for i, s in enumerate(samples):
         assert_same_sample(ds[i], s)
-    assert cache.estimate_bytes(10, spec) == 10 * (4 + 1 + 2 * A * H + 2 * H + 2 * 4) + 8
+    assert cache.verify(str(tmp_path)) == 3
+    cache.create_or_open(str(tmp_path), SPEC, 3)  # the same cache for a builder of this layout
+    fmt.write_json(kv, fmt.MANIFEST, {**manifest, "spec": {**manifest["spec"], "engram_dim": 4}})
+    with pytest.raises(ValueError, match=r"records \{'engram_dim': 4\}.*rebuild it"):
+        cache.CacheDataSource(str(tmp_path))
 
 
 def test_shard_ranges_cover_in_order():

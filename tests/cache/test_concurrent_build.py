@@ -12,6 +12,7 @@ from dspark_jax import cache
 from dspark_jax.cache.build import cache_path, replies_path
 from dspark_jax.data.regenerate import read_output
 from dspark_jax.target import target_from_config
+from tests import compilation_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +27,12 @@ def test_two_builders_of_one_cache_end_with_one_valid_cache(tmp_path):
         f"--config.data.cache_dir={tmp_path / 'caches'}",
         "--config.mesh.fsdp=1",
     ]
-    env = {"DSPARK_JAX_CACHE": str(tmp_path / "local"), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    env = {
+        **compilation_cache.ENV,
+        "DSPARK_JAX_CACHE": str(tmp_path / "local"),
+        "JAX_PLATFORMS": "cpu",
+        "PATH": "/usr/bin:/bin",
+    }
     procs = [
         subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ]

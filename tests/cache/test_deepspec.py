@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_cache import assert_same_sample, make_samples
 
 from dspark_jax import cache
-from dspark_jax.cache import deepspec
+from dspark_jax.interop import deepspec_cache as deepspec
+from dspark_jax.run.sources import open_cache
 
 H = 16
 LAYERS = [-1, 4, 9]  # make_samples has 3 aux layers; -1 (embedding output) sorts first
@@ -103,8 +104,8 @@ def ref(tmp_path):
 
 def test_reads_reference_layout(ref):
     path, samples, _ = ref
-    ds = cache.open_cache(str(path), expect={"aux_layer_ids": tuple(LAYERS), "hidden_size": H})
-    assert isinstance(ds, cache.DeepSpecDataSource) and len(ds) == 5
+    ds = open_cache(str(path), expect={"aux_layer_ids": tuple(LAYERS), "hidden_size": H})
+    assert isinstance(ds, deepspec.DeepSpecDataSource) and len(ds) == 5
     assert ds.aux_layer_ids == LAYERS and ds.num_aux == 3 and ds.hidden_size == H
     ds = pickle.loads(pickle.dumps(ds))
     for i, s in enumerate(samples):
@@ -117,7 +118,7 @@ def test_reads_reference_layout(ref):
 def test_writer_emits_deepspec_layout(tmp_path):
     samples = make_samples(5, seed=11)
     ours, ref = tmp_path / "ours", tmp_path / "ref"
-    cache.write_deepspec_cache(
+    deepspec.write_deepspec_cache(
         str(ours), samples, H, LAYERS, samples_per_shard=2, target_model_name_or_path=TARGET
     )
     expected = {
@@ -150,13 +151,13 @@ def test_writer_emits_deepspec_layout(tmp_path):
 
 def test_round_trip(tmp_path):
     samples = make_samples(7, seed=3)
-    cache.write_deepspec_cache(
+    deepspec.write_deepspec_cache(
         str(tmp_path), samples, hidden_size=16, aux_layer_ids=(2, 5, 7), samples_per_shard=3
     )
     assert (tmp_path / "samples.idx").stat().st_size == 7 * 56
     assert json.loads((tmp_path / "manifest.json").read_text())["target_model_name_or_path"] == ""
-    ds = cache.open_cache(str(tmp_path), expect={"aux_layer_ids": [2, 5, 7], "hidden_size": 16})
-    assert isinstance(ds, cache.DeepSpecDataSource) and len(ds) == 7
+    ds = open_cache(str(tmp_path), expect={"aux_layer_ids": [2, 5, 7], "hidden_size": 16})
+    assert isinstance(ds, deepspec.DeepSpecDataSource) and len(ds) == 7
     ds = pickle.loads(pickle.dumps(ds))
     for i, s in enumerate(samples):
         assert_same_sample(ds[i], s)
@@ -165,7 +166,7 @@ def test_round_trip(tmp_path):
 
 def test_record_layout(tmp_path):
     samples = make_samples(2, seed=4)
-    cache.write_deepspec_cache(
+    deepspec.write_deepspec_cache(
         str(tmp_path), samples, hidden_size=16, aux_layer_ids=(2, 5, 7), samples_per_shard=1
     )
     raw = (tmp_path / "samples.idx").read_bytes()
@@ -183,24 +184,22 @@ def test_record_layout(tmp_path):
 
 def test_writer_rejects_unsorted_layers(tmp_path):
     with pytest.raises(ValueError, match="ascending"):
-        cache.write_deepspec_cache(str(tmp_path), make_samples(1), 16, (5, 2, 7), samples_per_shard=1)
+        deepspec.write_deepspec_cache(str(tmp_path), make_samples(1), 16, (5, 2, 7), samples_per_shard=1)
 
 
 def test_expect(ref, caplog):
     path = str(ref[0])
     with pytest.raises(ValueError, match="mismatch on hidden_size: expected 32, found 16"):
-        cache.DeepSpecDataSource(path, expect={"hidden_size": 32})
+        deepspec.DeepSpecDataSource(path, expect={"hidden_size": 32})
     with pytest.raises(
         ValueError, match=r"mismatch on aux_layer_ids: expected \(2, 5, 7\), found \[-1, 4, 9\]"
     ):
-        cache.open_cache(path, expect={"aux_layer_ids": (2, 5, 7)})
-    with pytest.raises(ValueError, match="mismatch on engram_dim"):
-        cache.DeepSpecDataSource(path, expect={"engram_dim": 8})
+        open_cache(path, expect={"aux_layer_ids": (2, 5, 7)})
     with pytest.raises(ValueError, match="unknown expect key 'bogus'"):
-        cache.DeepSpecDataSource(path, expect={"bogus": 1})
+        deepspec.DeepSpecDataSource(path, expect={"bogus": 1})
     with caplog.at_level(logging.WARNING):
-        cache.DeepSpecDataSource(
-            path, expect={"tokenizer_fingerprint": "tok0", "target_fingerprint": "t0", "engram_dim": None}
+        deepspec.DeepSpecDataSource(
+            path, expect={"tokenizer_fingerprint": "tok0", "target_fingerprint": "t0"}
         )
     warned = [r.getMessage() for r in caplog.records if "does not record" in r.getMessage()]
     assert len(warned) == 2 and "tokenizer_fingerprint" in warned[0] and "target_fingerprint" in warned[1]
@@ -216,7 +215,7 @@ def test_detection(ref, tmp_path):
 
     build(str(native), make_samples(2), SPEC)
     cache.finalize(str(native))
-    assert isinstance(cache.open_cache(str(native)), cache.CacheDataSource)
+    assert isinstance(open_cache(str(native)), cache.CacheDataSource)
 
 
 def _drop(key):
@@ -257,7 +256,7 @@ def test_bad_manifest(ref, case):
     mutate(manifest)
     write_manifest(path, manifest)
     with pytest.raises(ValueError, match=rf"^cache '{path}': .*{match}"):
-        cache.DeepSpecDataSource(str(path))
+        deepspec.DeepSpecDataSource(str(path))
 
 
 def _rewrite_record(path: Path, i: int, **fields) -> None:
@@ -310,14 +309,14 @@ def test_bad_files(ref, case):
     mutate, error, match = BAD_FILES[case]
     mutate(path)
     with pytest.raises(error, match=rf"^cache '{path}': .*{match}"):
-        cache.DeepSpecDataSource(str(path))
+        deepspec.DeepSpecDataSource(str(path))
 
 
 def test_truncated_shard(ref):
     path, _, _ = ref
     f = path / "shard-00002.bin"
     f.write_bytes(f.read_bytes()[:-5])
-    ds = cache.DeepSpecDataSource(str(path))  # opening does not read the data
+    ds = deepspec.DeepSpecDataSource(str(path))  # opening does not read the data
     ds[3]
     with pytest.raises(
         ValueError,

@@ -12,7 +12,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_cache import SPEC, assert_same_sample, build, chunk_files, make_samples
 from test_deepspec import LAYERS, TARGET, H, write_reference_cache
 
-from dspark_jax import cache, inspect_cache
+from dspark_jax import cache
+from dspark_jax.cli import inspect_cache
+from dspark_jax.interop import deepspec_cache as deepspec
+from dspark_jax.run.sources import open_cache
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -61,7 +64,7 @@ def test_native(tmp_path, capsys):
 
 def test_deepspec(tmp_path, capsys):
     samples = make_samples(4, seed=1)
-    cache.write_deepspec_cache(
+    deepspec.write_deepspec_cache(
         str(tmp_path / "d"), samples, 16, (2, 5, 7), samples_per_shard=2, target_model_name_or_path="tgt"
     )
     rc, out, _ = run(capsys, tmp_path / "d", "--verify", "--dump_sample=2", f"--output={tmp_path / 'd.npz'}")
@@ -87,7 +90,7 @@ def test_deepspec_reference_layout(tmp_path, capsys):
         rc, out, _ = run(capsys, path, f"--dump_sample={i}", f"--output={tmp_path / f'{i}.npz'}")
         assert rc == 0 and f"wrote sample {i}" in out
         check_dump(tmp_path / f"{i}.npz", samples[i])
-    ds = cache.open_cache(str(path))
+    ds = open_cache(str(path))
     for i, x in enumerate(samples):
         assert_same_sample(ds[i], x)
 

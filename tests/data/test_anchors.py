@@ -1,4 +1,4 @@
-"""Anchor sampling against hand-computed expectations (DESIGN.md section 2)."""
+"""Anchor sampling against hand-computed expectations (docs/design.md section 1)."""
 
 import numpy as np
 import pytest

@@ -19,7 +19,7 @@ from flax import nnx
 from dspark_jax.data import pipeline
 from dspark_jax.draft import blocks
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
-from dspark_jax.experiments.baseline import draft_sums
+from dspark_jax.groups.baseline import draft_sums
 from tests.draft import test_reference
 
 H, V, A, T, N = 32, 50, 3, 64, 12

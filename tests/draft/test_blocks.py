@@ -1,4 +1,4 @@
-"""Block index math on device vs hand-computed expectations and a loop reference (DESIGN.md section 2)."""
+"""Block index math on device vs hand-computed expectations and a loop reference (docs/design.md, 1)."""
 
 import itertools
 

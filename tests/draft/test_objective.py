@@ -11,7 +11,7 @@ S = 7  # predictions per block
 
 
 def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask):
-    """DESIGN.md section 2, dense float64 with explicit loops: (sums, metrics)."""
+    """docs/design.md section 1, dense float64 with explicit loops: (sums, metrics)."""
     B, N = labels.shape[:2]
     logits, conf_logit = np.float64(logits), np.float64(conf_logit)
     teacher_logits = np.float64(teacher_hidden) @ np.float64(lm_head)

@@ -1,6 +1,6 @@
 """The whole baseline draft training computation against a float64 NumPy re-implementation.
 
-The reference below is written from DESIGN.md section 2 alone (dense visibility mask over
+The reference below is written from docs/design.md section 1 alone (dense visibility mask over
 `[context; all block slots]`, explicit loops, no chunking, its own RoPE frequencies and its
 own label / predecessor / eval-mask indexing, and the confidence metrics as DeepSpec logs them);
 only the parameter values come from the model.
@@ -13,7 +13,7 @@ from flax import nnx
 
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
 from dspark_jax.draft.objective import metrics_from_sums
-from dspark_jax.experiments.baseline import draft_sums
+from dspark_jax.groups.baseline import draft_sums
 
 H, V, A, T, N, S = 32, 40, 3, 20, 4, 7
 CFG = DraftConfig(
@@ -116,7 +116,7 @@ def _forward(p, emb, mask_vec, batch, anchors, memory=None):
 
 
 def _eval_mask(batch, b, a, keep):
-    """DESIGN.md's cumulative validity of the predictions of the block at `a` in row `b`."""
+    """the design notes' cumulative validity of the predictions of the block at `a` in row `b`."""
     loss_mask, positions = np.asarray(batch["loss_mask"]), np.asarray(batch["positions"])
     t = loss_mask.shape[1]
     return np.cumprod(
@@ -131,7 +131,7 @@ def _eval_mask(batch, b, a, keep):
 
 
 def _metrics(p, h, lm_head, batch, anchors, keep):
-    """Metrics of DESIGN.md section 2 from final states `h [B, N, S, H]` of the blocks at `anchors`."""
+    """Metrics of docs/design.md section 1 from final states `h [B, N, S, H]` of the blocks at `anchors`."""
     ids = np.asarray(batch["input_ids"])
     last = np.asarray(batch["last_hidden"], np.float64)
     lm_head = np.asarray(lm_head, np.float64)

@@ -16,19 +16,22 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax import experiments, sharding
-from dspark_jax.draft.engram import EngramDraftConfig
-from dspark_jax.draft.memory import MEMORY_SOURCES, MemoryDraft, MemoryDraftConfig
+from dspark_jax import groups, sharding
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
-from dspark_jax.draft.reranker import RerankerDraft, RerankerDraftConfig
-from dspark_jax.engram.hashing import HashSpec
-from dspark_jax.engram.table import device_table
-from dspark_jax.experiments.memory import MEMORY_PROPOSER
+from dspark_jax.groups.engram.group import TABLE
+from dspark_jax.groups.engram.hashing import HashSpec
+from dspark_jax.groups.engram.model import EngramDraftConfig
+from dspark_jax.groups.engram.table import device_table
+from dspark_jax.groups.memory.group import MEMORY_PROPOSER
+from dspark_jax.groups.memory.model import MEMORY_SOURCES, MemoryDraft, MemoryDraftConfig
+from dspark_jax.groups.reranker.model import RerankerDraft, RerankerDraftConfig
 from dspark_jax.inference import engine, scheduler
 from dspark_jax.inference.decoder import SpeculativeDecoder
+from dspark_jax.run import draft_state, target_side
 from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.generate import Generator, SamplingParams
 from dspark_jax.target.model import KVCache, Transformer
+from tests import rules
 from tests.inference.test_acceptance import biased_at_position_3, chi_square_p, joint_cells
 
 V, H, EOS, AUX = 48, 32, 3, (0, 1)
@@ -61,10 +64,15 @@ ENGRAM_GROUPS = ("engram_markov", "engram_mask_gated", "engram_mask_replace")
 GROUPS = ("baseline", *(f"memory_{s}" for s in MEMORY_SOURCES), *ENGRAM_GROUPS, "reranker_joint")
 
 
+def _slow_except(cases, fast):
+    """`cases` with every one not in `fast` marked slow (the default run keeps a representative few)."""
+    return [case if case in fast else pytest.param(*case, marks=pytest.mark.slow) for case in cases]
+
+
 def _scaled(module, mesh, scale):
     graphdef, state = nnx.split(module)
     state = jax.tree.map(lambda x: x * scale if x.ndim >= 2 else x, state)
-    return nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh)))
+    return nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules.ALL_GROUPS)))
 
 
 def _parts(target_cfg, draft_cfg, mesh):
@@ -94,14 +102,14 @@ def _engram_parts(parts, mesh, group, cfg=DRAFT):
     )
     rows = np.random.default_rng(0).normal(size=(spec.num_rows, spec.head_dim))
     cfg = EngramDraftConfig(**cfg.__dict__, engram_dim=spec.dim, engram_order=3)
-    draft = experiments.get(group).build_draft(cfg, rngs=nnx.Rngs(1))
+    draft = groups.get(group).build_draft(cfg, rngs=nnx.Rngs(1))
     for name in ("engram_v", "engram_proj"):
         if hasattr(draft, name):
             layer = getattr(draft, name)
             layer.kernel.set_value(jax.random.normal(jax.random.key(2), layer.kernel.get_value().shape))
     if getattr(draft, "engram_gates", None) is not None:
         draft.engram_gates.set_value(jnp.full(draft.engram_gates.get_value().shape, 0.8))
-    frozen = frozen._replace(engram=device_table(spec, np.arange(v), rows))
+    frozen = frozen._replace(side_inputs={TABLE: device_table(spec, np.arange(v), rows)})
     return (target, _scaled(draft, mesh, 4.0), frozen)
 
 
@@ -123,9 +131,9 @@ def _group(parts, mesh, group, cfg=DRAFT, candidates=16):
     if group.startswith("memory_"):
         return parts, _memory_draft(mesh, group.removeprefix("memory_"), cfg), MEMORY_PROPOSER
     if group in ENGRAM_GROUPS:
-        return _engram_parts(parts, mesh, group, cfg), None, experiments.get(group).proposer
+        return _engram_parts(parts, mesh, group, cfg), None, groups.get(group).proposer
     if group == "reranker_joint":
-        return parts, _reranker_draft(mesh, cfg=cfg, candidates=candidates), experiments.get(group).proposer
+        return parts, _reranker_draft(mesh, cfg=cfg, candidates=candidates), groups.get(group).proposer
     return parts, None, engine.DSPARK_PROPOSER
 
 
@@ -219,7 +227,12 @@ def _assert_accepted(report):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(
-    "group, batch_size", [("baseline", 1), *((g, 8) for g in GROUPS)], ids=lambda x: str(x)
+    "group, batch_size",
+    _slow_except(
+        [("baseline", 1), *((g, 8) for g in GROUPS)],
+        [("baseline", 1), ("engram_markov", 8), ("reranker_joint", 8)],
+    ),
+    ids=lambda x: str(x),
 )
 def test_greedy_speculation_with_accepted_drafts_equals_target_greedy(
     parts, mesh1, group, batch_size, schedule
@@ -247,7 +260,7 @@ def test_reranked_proposals_at_initialisation_are_dspark_s(parts, mesh1):
     """`W_o = 0`: the engine's reranked greedy block equals the plain Markov block; trained, it differs."""
     target, _, frozen = parts
     settings = engine.SpecSettings(8, SamplingParams(), (EOS,), AUX)
-    proposer = experiments.get("reranker_joint").proposer
+    proposer = groups.get("reranker_joint").proposer
     blocks = {}
     for trained in (False, True):
         draft = _reranker_draft(mesh1, trained)
@@ -269,6 +282,7 @@ def test_reranked_proposals_at_initialisation_are_dspark_s(parts, mesh1):
     assert not np.array_equal(blocks[True][0].drafts_BxS, blocks[True][1].drafts_BxS)
 
 
+@pytest.mark.slow
 def test_draft_memory_reaches_the_next_round(parts, mesh1):
     """After a round, the carry holds that round's states; the next draft pass reads them: its states
     differ from a memory-free pass, and the two sources differ from each other."""
@@ -299,6 +313,7 @@ def test_draft_memory_reaches_the_next_round(parts, mesh1):
     assert not np.allclose(outs["no_memory"]["source"], outs["with_memory"]["source"], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_statistics_count_real_rows_only_whatever_the_concurrency(parts, mesh1):
     """3 prompts at concurrency 1, 2, 3 and 8: padding rows never enter MAL, histogram or rates."""
     prompts = PROMPTS[:3]
@@ -342,6 +357,7 @@ def _forced(tokens_BxS):
     return engine.Proposer(lambda draft, frozen, state: (), select)
 
 
+@pytest.mark.slow
 def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
     """Three rows accept different numbers of forced drafts in the same cycles (3, 0, 7 in turn, shifted
     by row); after every cycle each row's target and draft caches equal a fresh prefill of what it has
@@ -439,7 +455,10 @@ def _joint_sampling_pvalue(parts3, mesh, group, schedule):
 
 @pytest.mark.parametrize(
     "group, schedule",
-    [*((g, "fixed") for g in GROUPS), ("baseline", "confidence"), ("reranker_joint", "confidence")],
+    _slow_except(
+        [*((g, "fixed") for g in GROUPS), ("baseline", "confidence"), ("reranker_joint", "confidence")],
+        [("baseline", "fixed"), ("baseline", "confidence"), ("reranker_joint", "confidence")],
+    ),
     ids=lambda x: str(x),
 )
 def test_sampling_is_lossless_jointly_over_a_whole_cycle(parts3, mesh1, group, schedule):
@@ -487,12 +506,11 @@ def test_greedy_lossless_on_the_demo_target(mesh1, concurrency):
     from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
     from dspark_jax.target import load_target
     from dspark_jax.target.chat import prompt_ids
-    from dspark_jax.train import components
 
     config = baseline.get_config("demo")
     target = load_target(mesh=mesh1)
-    graphdef, params, rest = components.init_draft(config, target.config, mesh1)
-    side = components.side_from_target(target, mesh1)
+    graphdef, params, rest = draft_state.init_draft(config, target.config, mesh1)
+    side = target_side.side_from_target(target, mesh1)
     questions = read_turns_jsonl(GSM8K_VAL256)[:8]
     prompts = [
         prompt_ids(target.tokenizer, target.chat_template, [{"role": "user", "content": q[0]}]).tolist()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from configs import baseline
-from dspark_jax.train.loop import train
+from dspark_jax.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_speculate_cli_reports_mal_and_matches_target_greedy(tmp_path):
     assert proc.returncode != 0 and "draft.markov_rank" in proc.stderr, proc.stderr[-2000:]
     # --memory_source is for Draft Memory checkpoints only.
     proc = subprocess.run([*cmd, "--memory_source=no_memory"], cwd=ROOT, capture_output=True, text=True)
-    assert proc.returncode == 2 and "--memory_source applies to Draft Memory" in proc.stderr, proc.stderr[
+    assert proc.returncode == 2 and "--memory_source applies to checkpoints of" in proc.stderr, proc.stderr[
         -2000:
     ]
     # The prefix scheduler needs the STS calibration first; then it decodes losslessly and reports.

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from dspark_jax.experiments.memory import MEMORY_PROPOSER
-from dspark_jax.experiments.reranker import RERANKER_PROPOSER
+from dspark_jax.groups.memory.group import MEMORY_PROPOSER
+from dspark_jax.groups.reranker.group import RERANKER_PROPOSER
 from dspark_jax.inference.walkthrough import walk_cycle
 from dspark_jax.target.generate import Generator
 from tests.inference.test_speculate import EOS, PROMPTS, _decoder, _memory_draft, _reranker_draft, parts  # noqa: F401

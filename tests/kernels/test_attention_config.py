@@ -9,13 +9,12 @@ from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from configs import baseline
-from dspark_jax import config_lib
-from dspark_jax.config_lib import UsageError
 from dspark_jax.draft import model as model_lib
+from dspark_jax.errors import UsageError
 from dspark_jax.kernels import block_attention as ba
 from dspark_jax.kernels.block_attention import BlockSizes
+from dspark_jax.run import config_lib, draft_state
 from dspark_jax.target import TargetConfig
-from dspark_jax.train import components
 
 
 def _config(**draft):
@@ -35,7 +34,7 @@ def test_tile_keys_reach_the_kernel(monkeypatch):
 
     monkeypatch.setattr(model_lib, "block_attention", spy)
     target = TargetConfig.from_json(config.target.arch.to_dict())
-    draft = model_lib.DSparkDraft(components.draft_config(config, target), rngs=nnx.Rngs(0))
+    draft = model_lib.DSparkDraft(draft_state.draft_config(config, target), rngs=nnx.Rngs(0))
     b, n, s, h = 1, 2, 7, target.hidden_size
     draft.backbone(jnp.zeros((b, n, s, h)), draft.context_kv(jnp.zeros((b, 16, h))), jnp.asarray([[3, 9]]))
     assert len(seen) == config.draft.num_layers and set(seen) == {BlockSizes(block_q=16, block_k=64)}

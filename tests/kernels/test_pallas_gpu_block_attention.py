@@ -12,7 +12,7 @@ import pytest
 
 from dspark_jax.kernels.block_attention import BlockMemory, BlockSizes, block_attention, pallas_gpu
 from dspark_jax.kernels.block_attention.pallas import block_attention_pallas
-from dspark_jax.train import topology
+from dspark_jax.training import topology
 from tests import bf16
 from tests.kernels.test_pallas_block_attention import _inputs
 
@@ -158,7 +158,7 @@ def test_the_kernel_compiles_for_h200_ahead_of_time():
     """Lowered by Mosaic GPU and compiled by XLA's CUDA compiler for an H200 on this host (nothing runs)."""
     script = (
         "import jax, jax.numpy as jnp\n"
-        "from dspark_jax.train import topology\n"
+        "from dspark_jax.training import topology\n"
         "from dspark_jax.kernels.block_attention import pallas_gpu\n"
         "mesh = jax.sharding.Mesh(topology.compile_devices('h200x8')[:1], ('x',))\n"
         "spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, "

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dspark_jax.config_lib import UsageError
+from dspark_jax.errors import UsageError
 from dspark_jax.suite import plan
 
 

@@ -35,7 +35,7 @@ def test_seed_suite_on_smoke_writes_the_table_and_plots_and_skips_finished_group
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "report"
     text = (out / report.REPORT_FILE).read_text()
-    groups = plan.SUITES["seed"]
+    groups = plan.suites()["seed"]
     results = text.split("## Results")[1].split("![tau_prob]")[0]
     rows = [
         line

@@ -75,6 +75,7 @@ def test_greedy_generation_is_token_for_token_identical(hf, target, mesh1):
         assert got == expected
 
 
+@pytest.mark.slow
 def test_sharded_generation_on_8_devices_equals_one_device(target, mesh1, mesh8, hf):
     _, tokenizer = hf
     prompts = [_prompt(tokenizer, chat) for chat in CHATS]

@@ -5,8 +5,8 @@ import jax
 import pytest
 
 from configs import baseline
-from dspark_jax.train import topology
-from dspark_jax.train.aot import step_memory
+from dspark_jax.training import topology
+from dspark_jax.training.aot import step_memory
 from tests.test_cli_errors import SMOKE, run
 
 CATEGORIES = (

@@ -10,7 +10,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dspark_jax.train.checkpoint import Checkpointer
+from dspark_jax.run.checkpoints import Checkpointer
 
 
 class _Tiny(nnx.Module):

@@ -11,8 +11,9 @@ from flax import nnx
 from configs import baseline
 from dspark_jax import sharding
 from dspark_jax.draft.model import DraftConfig, DSparkDraft
+from dspark_jax.run import draft_state
+from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.target import TargetConfig
-from dspark_jax.train import components
 
 
 def _smoke():
@@ -22,7 +23,7 @@ def _smoke():
 
 def test_draft_config_is_the_whole_draft_section():
     config, target = _smoke()
-    cfg = components.draft_config(config, target)
+    cfg = draft_state.draft_config(config, target)
     assert {k: getattr(cfg, k) for k in config.draft} == {
         **config.draft.to_dict(),
         "mask_token_id": None,  # -1: a learned MASK vector
@@ -34,9 +35,9 @@ def test_draft_config_is_the_whole_draft_section():
 
 def test_jit_init_matches_eager_init_and_follows_the_config_rules(mesh8):
     config, target = _smoke()
-    _, params, _ = components.init_draft(config, target, mesh8)
+    _, params, _ = draft_state.init_draft(config, target, mesh8)
     eager = nnx.state(
-        DSparkDraft(components.draft_config(config, target), rngs=nnx.Rngs(config.seed)), nnx.Param
+        DSparkDraft(draft_state.draft_config(config, target), rngs=nnx.Rngs(config.seed)), nnx.Param
     )
     for (path, want), (_, got) in zip(nnx.to_flat_state(eager), nnx.to_flat_state(params)):
         # The same random draws; XLA fuses the init's scaling differently, so the last bit may differ.
@@ -47,7 +48,7 @@ def test_jit_init_matches_eager_init_and_follows_the_config_rules(mesh8):
     config.sharding.rules = tuple(
         (name, None if name == "embed" else axes) for name, axes in sharding.DEFAULT_RULES
     )
-    _, params, _ = components.init_draft(config, target, mesh8)
+    _, params, _ = draft_state.init_draft(config, target, mesh8)
     spec = params["layers"][0]["mlp"]["gate"]["kernel"].get_value().sharding.spec
     assert spec == jax.sharding.PartitionSpec(None, "tensor")
 
@@ -66,9 +67,9 @@ def test_demo_arch_is_the_embedded_target_shape():
 def test_optimizer_state_is_sharded_like_the_parameters(mesh8, experiment):
     config = importlib.import_module(f"configs.{experiment}").get_config("smoke")
     target = TargetConfig.from_json(config.target.arch.to_dict())
-    _, params, _ = components.init_draft(config, target, mesh8)
-    _, optimizer = components.make_training_optimizer(config, params)
-    opt_state = components.init_optimizer_state(optimizer, params, mesh8)
+    _, params, _ = draft_state.init_draft(config, target, mesh8)
+    _, optimizer = optimizer_lib.make_training_optimizer(config, params)
+    opt_state = optimizer_lib.init_optimizer_state(optimizer, params, mesh8)
     shardings = {jax.tree_util.keystr(p): x.sharding for p, x in jax.tree_util.tree_leaves_with_path(params)}
     moments = 0
     for path, x in jax.tree_util.tree_leaves_with_path(opt_state):

@@ -10,10 +10,11 @@ from flax import nnx
 
 from configs import baseline, memory, reranker_frozen
 from dspark_jax import sharding
-from dspark_jax.config_lib import UsageError
+from dspark_jax.errors import UsageError
+from dspark_jax.run import draft_state
+from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.target import TargetConfig
-from dspark_jax.train import components
-from dspark_jax.train.loop import train
+from dspark_jax.training.loop import train
 
 
 def _smoke(module, cache_dir, **keys):
@@ -40,9 +41,10 @@ def runs(tmp_path_factory):
 def _params(config, workdir):
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
     target = TargetConfig.from_json(config.target.arch.to_dict())
-    return components.restore_draft(config, target, mesh, workdir)[1]
+    return draft_state.restore_draft(config, target, mesh, workdir)[1]
 
 
+@pytest.mark.slow
 def test_frozen_parameters_are_bitwise_unchanged_and_only_the_reranker_learns(runs):
     cache_dir, base_dir, frozen_dir, frozen = runs
     before = dict(nnx.to_flat_state(_params(_smoke(baseline, cache_dir), base_dir)))
@@ -54,7 +56,7 @@ def test_frozen_parameters_are_bitwise_unchanged_and_only_the_reranker_learns(ru
         )
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
     target = TargetConfig.from_json(frozen.target.arch.to_dict())
-    _, fresh, _ = components.init_draft(frozen, target, mesh)
+    _, fresh, _ = draft_state.init_draft(frozen, target, mesh)
     moved = [
         p
         for p, v in nnx.to_flat_state(fresh)
@@ -67,8 +69,8 @@ def test_optimizer_state_exists_only_for_the_reranker(runs):
     _, _, _, frozen = runs
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
     target = TargetConfig.from_json(frozen.target.arch.to_dict())
-    _, params, _ = components.init_draft(frozen, target, mesh)
-    _, optimizer = components.make_training_optimizer(frozen, params)
+    _, params, _ = draft_state.init_draft(frozen, target, mesh)
+    _, optimizer = optimizer_lib.make_training_optimizer(frozen, params)
     state = jax.eval_shape(optimizer.init, params)
     sizes = sum(x.size for x in jax.tree.leaves(state) if x.ndim)
     reranker = sum(x.size for x in jax.tree.leaves(params["reranker"]))
@@ -81,7 +83,7 @@ def test_steps_are_cumulative_and_the_schedule_starts_at_zero(runs):
     train_lines = [line for line in lines if "train/loss" in line]
     assert [line["step"] for line in train_lines] == list(range(7, 13))
     assert [line["train/new_steps"] for line in train_lines] == list(range(1, 7))
-    schedule, _ = components.make_training_optimizer(frozen)
+    schedule, _ = optimizer_lib.make_training_optimizer(frozen)
     assert train_lines[0]["train/learning_rate"] == pytest.approx(float(schedule(0)))
     assert float(schedule(0)) != float(schedule(6))  # the continued schedule would be elsewhere
     assert [line["step"] for line in lines if "eval/tau_prob" in line] == [9, 12]
@@ -92,21 +94,21 @@ def test_steps_are_cumulative_and_the_schedule_starts_at_zero(runs):
 def test_bad_init_runs_are_refused(runs, tmp_path):
     cache_dir, base_dir, _, _ = runs
     with pytest.raises(UsageError, match=r"config\.init\.checkpoint: checkpoint path not found"):
-        components.init_source(
+        draft_state.init_source(
             _smoke(reranker_frozen, cache_dir, **{"init.checkpoint": str(tmp_path / "none")})
         )
     with pytest.raises(UsageError, match=r"config.init.step=5: .* holds steps \[3, 6\]"):
-        components.init_source(
+        draft_state.init_source(
             _smoke(reranker_frozen, cache_dir, **{"init.checkpoint": str(base_dir), "init.step": 5})
         )
     other_shape = _smoke(
         reranker_frozen, cache_dir, **{"init.checkpoint": str(base_dir), "draft.num_heads": 8}
     )
     with pytest.raises(UsageError, match=r"disagrees with the config stored in .* on draft\.num_heads"):
-        components.init_source(other_shape)
+        draft_state.init_source(other_shape)
     memory_dir = tmp_path / "memory"
     train(_smoke(memory, cache_dir, **{"train.stop_step": 3}), memory_dir)
     with pytest.raises(UsageError, match="is a 'memory' run; reranker_frozen starts from a 'baseline' one"):
-        components.init_source(
+        draft_state.init_source(
             _smoke(reranker_frozen, cache_dir, **{"init.checkpoint": str(memory_dir), "init.step": 3})
         )

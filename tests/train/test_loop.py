@@ -13,10 +13,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 from configs import baseline
-from dspark_jax import config_lib, sharding
-from dspark_jax.train import components, loop
-from dspark_jax.train.checkpoint import Checkpointer
-from dspark_jax.train.loop import SUMMARY_FILE, NonFiniteLossError, train
+from dspark_jax import sharding
+from dspark_jax.run import config_lib, sources, target_side
+from dspark_jax.run.checkpoints import Checkpointer
+from dspark_jax.training import loop
+from dspark_jax.training.loop import SUMMARY_FILE, NonFiniteLossError, train
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMING = ("train/step_seconds", "train/tokens_per_second", "train/wall_minutes", "eval/wall_minutes")
@@ -148,6 +149,7 @@ def test_nonfinite_loss_stops_naming_the_step(cache_dir, tmp_path):
     assert not (tmp_path / "checkpoints" / "4").exists()
 
 
+@pytest.mark.slow
 def test_resume_with_other_training_settings_is_refused(cache_dir, tmp_path):
     train(_config(cache_dir, stop_step=2, total_steps=4, eval_every=0), tmp_path)
     with pytest.raises(
@@ -165,6 +167,7 @@ def test_resume_with_other_training_settings_is_refused(cache_dir, tmp_path):
     assert trained() == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_kill_right_after_a_save_keeps_that_steps_eval(cache_dir, tmp_path, monkeypatch):
     """The eval line of a checkpoint step is written before the checkpoint: a kill after the save loses
     nothing, and the resumed run does not log it twice."""
@@ -201,15 +204,16 @@ def test_config_errors_name_the_key(cache_dir, tmp_path):
 
 def test_aux_layers_mismatching_the_cache_fail_clearly(cache_dir):
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
-    side, paths = components.prepare_target_side(
+    side, paths = target_side.prepare_target_side(
         _config(cache_dir), mesh
     )  # builds the smoke caches if needed
     config = _config(cache_dir)
     config.data.aux_layer_ids = (0, 1, 2)
     with pytest.raises(ValueError, match="aux_layer_ids"):
-        components.open_source(paths["train"], config, side)
+        sources.open_source(paths["train"], config, side)
 
 
+@pytest.mark.slow
 def test_metrics_are_finite_and_named(cache_dir, tmp_path):
     last = train(_config(cache_dir, stop_step=2, total_steps=2, eval_every=2), tmp_path)
     for name in (
@@ -233,7 +237,7 @@ def test_metrics_are_finite_and_named(cache_dir, tmp_path):
 
 @pytest.mark.slow
 def test_paper_micro_step_fits_one_80gb_accelerator():
-    from dspark_jax.train.aot import step_memory
+    from dspark_jax.training.aot import step_memory
 
     report = step_memory(baseline.get_config("paper"), micro_batch=4)
     assert (
@@ -242,6 +246,7 @@ def test_paper_micro_step_fits_one_80gb_accelerator():
     assert report["estimated_peak_bytes"] < 80e9
 
 
+@pytest.mark.slow
 def test_trains_on_a_cache_in_deepspec_layout(cache_dir, tmp_path):
     """The smoke train cache rewritten by hand in DeepSpec's layout (`data.train_cache`) trains to the
     same logged metrics as the native cache of the same samples, bitwise (the same program reads the same
@@ -250,8 +255,8 @@ def test_trains_on_a_cache_in_deepspec_layout(cache_dir, tmp_path):
 
     config = _config(cache_dir, stop_step=2, total_steps=2, eval_every=2)
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
-    side, paths = components.prepare_target_side(config, mesh)
-    native = components.open_source(paths["train"], config, side)
+    side, paths = target_side.prepare_target_side(config, mesh)
+    native = sources.open_source(paths["train"], config, side)
     samples = [native[i] for i in range(len(native))]
     deepspec_dir = tmp_path / "deepspec"
     write_reference_cache(
@@ -268,11 +273,11 @@ def test_changed_data_settings_build_a_new_cache(cache_dir):
     """`data.train_limit` changed: the run gets a cache of the new settings, not the old one's."""
     mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1})
     old = _config(cache_dir)
-    side, old_paths = components.prepare_target_side(old, mesh)
+    side, old_paths = target_side.prepare_target_side(old, mesh)
     new = _config(cache_dir)
     new.data.train_limit = 3
-    _, new_paths = components.prepare_target_side(new, mesh)
+    _, new_paths = target_side.prepare_target_side(new, mesh)
     assert new_paths["train"] != old_paths["train"] and new_paths["val"] == old_paths["val"]
-    old_samples = len(components.open_source(old_paths["train"], old, side))
-    new_samples = len(components.open_source(new_paths["train"], new, side))
+    old_samples = len(sources.open_source(old_paths["train"], old, side))
+    new_samples = len(sources.open_source(new_paths["train"], new, side))
     assert new_samples <= 3 < old_samples

@@ -13,8 +13,8 @@ import pytest
 from etils import epath
 from tensorboardX.proto import event_pb2
 
-from dspark_jax.train import metrics_writer
-from dspark_jax.train.metrics_writer import MetricWriter
+from dspark_jax.training import metrics_writer
+from dspark_jax.training.metrics_writer import MetricWriter
 from tests.data.fake_gcs import fake_gcs
 
 

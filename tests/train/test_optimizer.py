@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from dspark_jax.train.optimizer import make_optimizer, make_schedule
+from dspark_jax.run.optimizer import make_optimizer, make_schedule
 
 PEAK, TOTAL, WARMUP, STOP = 3e-4, 26_040, 1_042, 2_604
 

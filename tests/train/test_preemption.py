@@ -3,7 +3,7 @@
 import os
 import signal
 
-from dspark_jax.train.preemption import PreemptionGuard
+from dspark_jax.training.preemption import PreemptionGuard
 
 
 def test_sigterm_sets_the_flag_and_handlers_are_restored():

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from dspark_jax.train.progress import ProgressLogger, format_duration, format_rate
+from dspark_jax.training.progress import ProgressLogger, format_duration, format_rate
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_line_rate_window_and_eta(caplog):
     clock.now += 10
     progress.update(60)
     clock.now += 10
-    with caplog.at_level(logging.INFO, logger="dspark_jax.train.progress"):
+    with caplog.at_level(logging.INFO, logger="dspark_jax.training.progress"):
         line = progress.update(100, {"loss": 2.3134, "tau": 1.8432})
     # The window holds the last two intervals only: 80 steps in 20 s = 4 steps/s.
     eta = format_duration((2604 - 100) / 4.0)

@@ -10,14 +10,15 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dspark_jax import experiments, sharding
+from dspark_jax import groups, sharding
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.data.pipeline import to_global
 from dspark_jax.draft import objective
 from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
-from dspark_jax.draft.reranker import RerankerDraft, RerankerDraftConfig
-from dspark_jax.train import step as step_lib
-from dspark_jax.train.optimizer import make_optimizer
+from dspark_jax.groups.reranker.model import RerankerDraft, RerankerDraftConfig
+from dspark_jax.run.optimizer import make_optimizer
+from dspark_jax.training import step as step_lib
+from tests import rules
 
 CFG = DraftConfig(
     hidden_size=32,
@@ -31,7 +32,7 @@ CFG = DraftConfig(
     anchor_chunk=2,
 )
 B, T, N = 8, 24, 4
-BASELINE = experiments.get("baseline")
+BASELINE = groups.get("baseline")
 
 
 def _batch():
@@ -46,7 +47,7 @@ def _batch():
 def _setup(mesh, draft=None):
     draft = DSparkDraft(CFG, rngs=nnx.Rngs(0)) if draft is None else draft
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
-    params = jax.device_put(params, sharding.state_shardings(params, mesh))
+    params = jax.device_put(params, sharding.state_shardings(params, mesh, rules.ALL_GROUPS))
     rest = jax.device_put(rest, NamedSharding(mesh, PartitionSpec()))
     keys = jax.random.split(jax.random.key(1))
     frozen = FrozenTarget(
@@ -105,7 +106,7 @@ def test_micro_batches_equal_the_whole_batch_and_the_gradient_of_the_normalised_
     _assert_grads_close(jax.device_get(direct), whole, rtol=1e-4)
 
 
-FROZEN_GROUP = experiments.get("reranker_frozen")
+FROZEN_GROUP = groups.get("reranker_frozen")
 
 
 def _full_gradient_micro_step(params, rest, frozen, batch, *, graphdef):

@@ -20,7 +20,7 @@ backend without one, or fp32 inputs on a GPU, it falls back to XLA and says so o
 interpret mode and compiled for H200 ahead of time on a CPU host, but not yet run on a GPU, so it is
 chosen explicitly until `benchmarks/gpu_check.sh` has passed on one. The backend is the platform being
 compiled for: that of the devices of the mesh set with `jax.set_mesh` (ahead-of-time compiles for a
-topology from a CPU host, `dspark_jax.train.aot`), else JAX's default backend. The kernels' tiles
+topology from a CPU host, `dspark_jax.training.aot`), else JAX's default backend. The kernels' tiles
 (`BlockSizes`) are the config keys `draft.attention_block_q` and `draft.attention_block_k`.
 """
 

@@ -1,0 +1,49 @@
+"""STS calibration of a trained draft's confidence head on the validation cache (any experiment group).
+
+  python -m dspark_jax.calibrate --checkpoint=WORKDIR [--config=...] [--bins=15]
+
+Runs the group's own teacher-forced evaluation forward over the validation cache, collects every
+block's confidence logits with the measured acceptance (greedy: argmax match; sampling: the overlap
+`sum_v min(p, q)`), fits one temperature per position left to right for each mode
+(`dspark_jax.inference.calibration`) on the even validation micro-batches and reports the ECE of the
+cumulative survival before and after on both halves (the odd batches are held out). Writes
+`<workdir>/calibration/step_<N>/sts.json` (read by `speculate --schedule=confidence`) and one
+reliability-diagram PNG per mode beside it, and prints the per-position table.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import flags
+
+from dspark_jax.cli.common import check_flags, checkpoint_config, define_config_flag, define_path_flag, run
+from dspark_jax.inference import calibration
+from dspark_jax.suite import measure
+
+_CONFIG = define_config_flag(default=None)
+_CHECKPOINT = define_path_flag("checkpoint", None, "Training work directory or checkpoint.", required=True)
+_BINS = flags.DEFINE_integer("bins", calibration.DEFAULT_BINS, "Equal-width ECE bins.")
+
+
+def main(argv):
+    del argv
+    check_flags(bins=(_BINS.value >= 2, f"must be >= 2, got {_BINS.value}"))
+    config = checkpoint_config(_CONFIG, _CHECKPOINT.value)
+    path, result = measure.calibrate_checkpoint(config, _CHECKPOINT.value, _BINS.value)
+    print(f"STS calibration of {config.experiment} step {result['step']}: {result['blocks']} blocks")
+    for mode in calibration.MODES:
+        ece = result["ece"][mode]["held_out"]
+        print(f"{mode:>9}  position  temperature  ECE before  ECE after   (held out)")
+        for k, t in enumerate(result["temperatures"][mode]):
+            print(f"{'':>9}  {k + 1:>8}  {t:>11.3f}  {ece['before'][k]:>10.4f}  {ece['after'][k]:>9.4f}")
+    print(json.dumps({"calibration": str(path), "temperatures": result["temperatures"]}, indent=2))
+
+
+def launch() -> None:
+    """The command: flags parsed, errors as one line (`cli.common.run`)."""
+    run(main, config_default=None)
+
+
+if __name__ == "__main__":
+    launch()

@@ -1,0 +1,1 @@
+"""Draft Memory (two-stage): the memory draft (`model`) and its group (`group`)."""

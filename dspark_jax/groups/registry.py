@@ -1,0 +1,157 @@
+"""The one place where experiment groups differ: a registry from `config.experiment` to an `Experiment`.
+
+Training, evaluation, speculative decoding, the AOT memory check and the benchmarks all ask this
+registry for the group's pieces; nothing else branches on the group. A group is composition over
+the baseline: its own draft class (a subclass or a new head), its own per-micro-batch sums (one
+forward or Draft Memory's two stages), its own loss terms and metrics, its own inference proposer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from dspark_jax.draft import objective
+from dspark_jax.draft.model import DraftConfig, FrozenTarget
+from dspark_jax.inference.engine import DSPARK_PROPOSER, Proposer
+
+Batch = Mapping[str, jax.Array]
+SumsFn = Callable[[nnx.Module, FrozenTarget, Batch], dict[str, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOption:
+    """A flag of `python -m dspark_jax.speculate` that a group adds: `--<flag>=<choice>` sets the config key
+    `key` of a checkpoint of that group before decoding (refused for a checkpoint of any other group)."""
+
+    flag: str
+    key: str  # a dotted config key, e.g. 'draft.<name>'
+    choices: tuple[str, ...]
+    help: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """Everything that differs per experiment group.
+
+    Attributes:
+      name: the `config.experiment` value.
+      build_draft: `(cfg, rngs=...) -> draft module` (an `nnx.Module` with `cfg`, `dtype`,
+        `context`, `context_kv`, `backbone` and `layers` for inference, e.g. `DSparkDraft`).
+      train_sums: the train step's forward on one micro-batch (the fields of `data.batch`):
+        `(draft, frozen, batch) -> sums`; the step differentiates the loss numerators of these
+        sums, so a two-stage group puts its stop-gradient stage 1 inside.
+      eval_sums: the same for teacher-forced evaluation; None = `train_sums`.
+      loss_terms: loss groups over the sums (`objective.LossTerms`), each divided on device by
+        its own globally summed denominator.
+      metrics: globally summed sums -> scalar metrics (logged as train/... and eval/...).
+      proposer: how the draft makes a block at inference (`inference.engine.Proposer`).
+      config_class: the draft config built from the config's whole `draft` section.
+      trainable: params -> pytree of bools (False = frozen parameter); None = all trainable.
+      init_from: the group whose checkpoint (`config.init.checkpoint`, at `config.init.step`) a new run
+        starts from: its parameters are restored into the same names (an exact match, checked), the
+        rest keep their initialisation; None = from scratch.
+
+    What the group adds to a run's config and inputs (shared code knows none of these by name):
+      shape_keys: config keys (or sections) that fix the group's own parameters, beyond the base draft's
+        (`run.config_lib.SHAPE_KEYS`); a `--config` or a resumed run that changes one is refused.
+      resumable_keys: config keys of the group that a resumed run may change.
+      path_keys: `(section, key)` config entries of the group that hold paths (made absolute at the
+        command line).
+      sharding_rules: `(logical axis, mesh axes)` rules for the logical axes of the group's parameters,
+        added to the run's table where it has no entry for them.
+      check_config: `config -> None`, raising `errors.UsageError` naming the key on settings of the group
+        that cannot work (called by `run.config_lib.validate`, before any expensive work).
+      side_inputs: `(config, *, fingerprint, tokenizer_fingerprint, vocab_size, load_target) -> {name:
+        device pytree}`: frozen inputs the group's draft reads besides the target's matrices
+        (`FrozenTarget.side_inputs`), made or loaded for this target; `load_target()` loads the full
+        target when one must be built (None where nothing may be built). None = no side inputs.
+      abstract_side_inputs: `(config, vocab_size) -> {name: pytree of jax.ShapeDtypeStruct}`, the same
+        shapes with nothing computed (the ahead-of-time memory check); None with `side_inputs` None.
+      decode_options: `DecodeOption`s, the group's own decoding flags (recorded with every result).
+
+    How reports show it:
+      label: the display name (default: `name`).
+      suites: the experiment suites (`python -m dspark_jax.experiments --suite=...`) the group belongs to;
+        a suite runs its groups in registration order, and a group with `init_from` after that group's
+        final checkpoint.
+      report_columns: `(metric, column title)` of the group's own `eval/` metrics in a suite's results
+        table (blank for the groups without them).
+      report_note: one sentence on how to read the group's figures, under the results table.
+    """
+
+    name: str
+    build_draft: Callable[..., nnx.Module]
+    train_sums: SumsFn
+    eval_sums: SumsFn | None = None
+    loss_terms: objective.LossTerms = dataclasses.field(default_factory=lambda: objective.DSPARK_LOSS)
+    metrics: Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]] = objective.metrics_from_sums
+    proposer: Proposer = DSPARK_PROPOSER
+    config_class: type[DraftConfig] = DraftConfig
+    trainable: Callable[[Any], Any] | None = None
+    init_from: str | None = None
+    shape_keys: tuple[str, ...] = ()
+    resumable_keys: tuple[str, ...] = ()
+    path_keys: tuple[tuple[str, str], ...] = ()
+    sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
+    check_config: Callable[[Any], None] | None = None
+    side_inputs: Callable[..., Mapping[str, Any]] | None = None
+    abstract_side_inputs: Callable[[Any, int], Mapping[str, Any]] | None = None
+    decode_options: tuple[DecodeOption, ...] = ()
+    label: str = ""
+    suites: tuple[str, ...] = ()
+    report_columns: tuple[tuple[str, str], ...] = ()
+    report_note: str = ""
+
+    @property
+    def display_name(self) -> str:
+        return self.label or self.name
+
+    @property
+    def evaluation_sums(self) -> SumsFn:
+        return self.eval_sums or self.train_sums
+
+
+_REGISTRY: dict[str, Experiment] = {}
+
+
+def register(experiment: Experiment) -> Experiment:
+    """Adds a group; its name must be new."""
+    if experiment.name in _REGISTRY:
+        raise ValueError(f"experiment group {experiment.name!r} is already registered")
+    _REGISTRY[experiment.name] = experiment
+    return experiment
+
+
+def get(name: str) -> Experiment:
+    """The group a config's `experiment` key names."""
+    if name not in _REGISTRY:
+        raise ValueError(f"config.experiment={name!r} is not a registered group; choose one of {names()}")
+    return _REGISTRY[name]
+
+
+def find(name: str) -> Experiment | None:
+    """The group `name`, or None for a name no group has (a config not yet validated)."""
+    return _REGISTRY.get(name)
+
+
+def decode_options() -> dict[str, tuple[DecodeOption, list[str]]]:
+    """Every group's decoding flags: `{flag: (option, the groups that have it)}`."""
+    out: dict[str, tuple[DecodeOption, list[str]]] = {}
+    for name, experiment in sorted(_REGISTRY.items()):
+        for option in experiment.decode_options:
+            out.setdefault(option.flag, (option, []))[1].append(name)
+    return out
+
+
+def registered() -> list[Experiment]:
+    """Every group, in registration order."""
+    return list(_REGISTRY.values())
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,279 @@
+"""Run configs beyond `configs/`: validation, the copy stored with every checkpoint, and comparing two.
+
+Every CLI validates its config before any expensive work (`validate`). Training stores the
+whole config in each checkpoint's metadata; `evaluate` and `speculate` given a work directory
+use that stored config (`stored_config`), and a `--config` that disagrees with it on a key that
+shapes the draft's parameters is refused naming the key (`check_same_shape`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ml_collections import config_dict
+
+from dspark_jax import groups, sharding
+from dspark_jax.errors import UsageError
+from dspark_jax.kernels.block_attention import DEFAULT_BLOCK_SIZES, IMPLEMENTATIONS
+
+log = logging.getLogger(__name__)
+
+
+# The repository: `configs/` (the experiment files import `configs.base`) and the git provenance of runs.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Config keys that hold paths: made absolute at the command line, so a stored config means the same
+# files whatever directory a later command runs in.
+PATH_KEYS = (
+    ("data", "cache_dir"),
+    ("data", "train_cache"),
+    ("data", "val_cache"),
+    ("data", "train_source"),
+    ("data", "val_source"),
+    ("target", "path"),
+    ("init", "checkpoint"),
+)
+NAMED_SOURCES = ("sharegpt",)  # conversation sources that are names, not paths
+
+
+def with_absolute_paths(config):
+    """`config` with its path keys resolved against the working directory (URLs unchanged)."""
+    if config is None:
+        return None
+    for section, key in (*PATH_KEYS, *_group_keys(config, "path_keys")):
+        if section in config and config[section][key] not in NAMED_SOURCES:
+            config[section][key] = resolve_path(config[section][key])
+    return config
+
+
+def resolve_path(path: str) -> str:
+    """A command-line path made absolute against the working directory (URLs stay as they are)."""
+    return path if not path or "://" in path else str(Path(path).expanduser().resolve())
+
+
+def _group_keys(config, field: str) -> tuple:
+    """The `field` keys (`shape_keys`, `resumable_keys`, `path_keys`) that the config's group adds; none
+    for a group that is not registered (`validate` names it)."""
+    experiment = groups.find(_as_dict(config).get("experiment", ""))
+    return getattr(experiment, field) if experiment else ()
+
+
+def sharding_rules(config) -> sharding.Rules:
+    """The run's logical-axis rules: the config's table (`sharding.rules_of`), plus the group's rules for
+    its own logical axes where the table has no entry for them."""
+    rules = tuple(sharding.rules_of(config))
+    named = {name for name, _ in rules}
+    return rules + tuple(r for r in _group_keys(config, "sharding_rules") if r[0] not in named)
+
+
+# Keys whose values fix the base draft's parameter tree (names, shapes) or which target it reads; a group
+# adds its own (`Experiment.shape_keys`).
+SHAPE_KEYS = (
+    "experiment",
+    "draft.num_layers",
+    "draft.num_heads",
+    "draft.num_kv_heads",
+    "draft.head_dim",
+    "draft.intermediate_size",
+    "draft.block_size",
+    "draft.markov_rank",
+    "draft.mask_token_id",
+    "data.aux_layer_ids",
+    "target.path",
+    "target.random_init",
+    "target.arch",
+)
+
+# Keys a resumed run may change: where it stops, how it logs and saves, how the same math is laid out; a
+# group adds its own (`Experiment.resumable_keys`).
+RESUMABLE_KEYS = (
+    "train.stop_step",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint_every",
+    "train.max_to_keep",
+    "data.cache_dir",
+    "mesh",
+    "sharding",
+    "draft.attention",
+    "draft.attention_block_q",
+    "draft.attention_block_k",
+    "draft.anchor_chunk",
+    "draft.remat",
+    "target.name",
+)
+
+
+def validate(config) -> None:
+    """Fails early, naming the config key, on settings that cannot work together."""
+    try:
+        experiment = groups.get(config.experiment)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    draft_class = experiment.config_class
+    settable = {f.name for f in dataclasses.fields(draft_class)} - set(draft_class.TARGET_FIELDS)
+    for key in config.draft:
+        if key not in settable:
+            raise UsageError(
+                f"draft.{key} is not a draft setting of {config.experiment!r}; known: {sorted(settable)}"
+            )
+    t = config.train
+    if t.global_batch % t.grad_accum:
+        raise UsageError(
+            f"train.global_batch={t.global_batch} is not divisible by train.grad_accum={t.grad_accum}"
+        )
+    if not 0 < t.stop_step <= t.total_steps:
+        raise UsageError(f"train.stop_step={t.stop_step} must be in [1, train.total_steps={t.total_steps}]")
+    if len(config.data.aux_layer_ids) < 1:
+        raise UsageError("data.aux_layer_ids must name at least one target layer")
+    d = config.data
+    for key in (
+        "max_length",
+        "num_shards",
+        "regen_max_new_tokens",
+        "regen_max_prompt_tokens",
+        "regen_batch_size",
+    ):
+        if d[key] < 1:
+            raise UsageError(f"data.{key}={d[key]} must be >= 1")
+    if not isinstance(d.regen_max_turns, int) or d.regen_max_turns < 1:
+        raise UsageError(f"data.regen_max_turns={d.regen_max_turns!r} must be an integer >= 1")
+    for key in ("num_anchors", "global_batch", "grad_accum", "total_steps"):
+        if t[key] < 1:
+            raise UsageError(f"train.{key}={t[key]} must be >= 1")
+    for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "anchor_chunk"):
+        if config.draft[key] < 1:
+            raise UsageError(f"draft.{key}={config.draft[key]} must be >= 1")
+    if config.draft.num_heads % config.draft.num_kv_heads:
+        raise UsageError(
+            f"draft.num_heads={config.draft.num_heads} is not a multiple of "
+            f"draft.num_kv_heads={config.draft.num_kv_heads}"
+        )
+    if config.draft.attention not in IMPLEMENTATIONS:
+        raise UsageError(f"draft.attention={config.draft.attention!r} must be one of {IMPLEMENTATIONS}")
+    _check_block_sizes(config.draft)
+    if experiment.check_config is not None:
+        experiment.check_config(config)
+    if config.draft.block_size != 7:
+        log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
+
+
+def _check_block_sizes(draft) -> None:
+    """The Pallas kernel's tiles: positive integers; where the kernel may compile ('pallas', 'auto'),
+    whole TPU sublane tiles (8 rows) of queries (`block_q * block_size`) and of context keys."""
+    block_q = draft.get("attention_block_q", DEFAULT_BLOCK_SIZES.block_q)  # runs stored before the keys
+    block_k = draft.get("attention_block_k", DEFAULT_BLOCK_SIZES.block_k)
+    for key, value in (("attention_block_q", block_q), ("attention_block_k", block_k)):
+        if not isinstance(value, int) or value < 1:
+            raise UsageError(f"draft.{key}={value!r} must be an integer >= 1")
+    if draft.attention not in ("pallas", "auto"):
+        return
+    if block_q * draft.block_size % 8:
+        raise UsageError(
+            f"draft.attention_block_q={block_q} x draft.block_size={draft.block_size} query rows per tile "
+            "must be a multiple of 8 (the TPU kernel's sublane tile)"
+        )
+    if block_k % 8:
+        raise UsageError(
+            f"draft.attention_block_k={block_k} must be a multiple of 8 (the TPU kernel's sublane tile)"
+        )
+
+
+def get_key(config, key: str, default: Any = None) -> Any:
+    """The value of a dotted key (`'draft.block_size'`), or `default` where the config lacks it."""
+    node = config
+    for part in key.split("."):
+        if part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def set_key(config, key: str, value: Any) -> None:
+    """Sets an existing dotted key of a locked config."""
+    *sections, last = key.split(".")
+    node = config
+    for part in sections:
+        node = node[part]
+    with config.unlocked():
+        node[last] = value
+
+
+def to_stored(config) -> dict[str, Any]:
+    """The config as plain JSON data, for checkpoint metadata."""
+    return _jsonable(config.to_dict())
+
+
+def from_stored(data: Mapping[str, Any]) -> config_dict.ConfigDict:
+    """A locked ConfigDict from stored JSON data (lists back to tuples, as the presets write them)."""
+    config = config_dict.ConfigDict(_tuples(dict(data)))
+    config.lock()
+    return config
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{'draft.num_heads': 8, ...}`; lists and tuples compare equal."""
+    out = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping | config_dict.ConfigDict):
+            out |= flatten(dict(value), f"{name}.")
+        else:
+            out[name] = _jsonable(value)
+    return out
+
+
+def differing_keys(a, b, keys: tuple[str, ...]) -> list[str]:
+    """The keys among `keys` (or below them) whose values differ between configs `a` and `b`."""
+    flat_a, flat_b = flatten(_as_dict(a)), flatten(_as_dict(b))
+    chosen = lambda name: any(name == k or name.startswith(f"{k}.") for k in keys)
+    names = sorted(n for n in set(flat_a) | set(flat_b) if chosen(n))
+    return [n for n in names if flat_a.get(n) != flat_b.get(n)]
+
+
+def check_same_shape(given, stored, where: str) -> None:
+    """Refuses a `given` config that disagrees with the `stored` one on a shape-bearing key."""
+    stored_random = _as_dict(stored).get("target", {}).get("random_init")
+    keys = (*SHAPE_KEYS, *_group_keys(given, "shape_keys"), *_group_keys(stored, "shape_keys"))
+    keys = keys if stored_random else tuple(k for k in keys if k != "target.arch")
+    diff = differing_keys(given, stored, keys)
+    if diff:
+        key = diff[0]
+        raise UsageError(
+            f"--config disagrees with the config stored in {where} on {key}: "
+            f"given {flatten(_as_dict(given)).get(key)!r}, stored {flatten(_as_dict(stored)).get(key)!r} "
+            f"(drop --config to use the stored one)"
+        )
+
+
+def resume_conflicts(given, stored, allowed: Sequence[str] = ()) -> list[str]:
+    """Keys where a resumed run's `given` config differs from the `stored` one and may not."""
+    ok = (*RESUMABLE_KEYS, *_group_keys(stored, "resumable_keys"), *allowed)
+    flat_given, flat_stored = flatten(_as_dict(given)), flatten(_as_dict(stored))
+    changed = sorted(n for n in set(flat_given) | set(flat_stored) if flat_given.get(n) != flat_stored.get(n))
+    return [n for n in changed if not any(n == k or n.startswith(f"{k}.") for k in ok)]
+
+
+def _as_dict(config) -> dict[str, Any]:
+    return config.to_dict() if isinstance(config, config_dict.ConfigDict) else dict(config)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping | config_dict.ConfigDict):
+        return {k: _jsonable(v) for k, v in dict(value).items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _tuples(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value

@@ -1,0 +1,48 @@
+"""TODO docstring (decoding)."""
+
+from __future__ import annotations
+
+import logging
+
+from jax.sharding import Mesh
+
+from dspark_jax import groups
+from dspark_jax.inference.decoder import SpeculativeDecoder
+from dspark_jax.run import target_side
+from dspark_jax.target import Target
+
+log = logging.getLogger(__name__)
+
+
+def speculative_decoder(
+    config,
+    target: Target,
+    draft,
+    *,
+    batch_size: int,
+    mesh: Mesh,
+    select_top_k: int | None = None,
+    schedule: str = "fixed",
+    temperatures: dict[str, tuple[float, ...]] | None = None,
+) -> SpeculativeDecoder:
+    """The experiment's speculative decoder for a loaded target and a draft `(graphdef, params, rest)`;
+    `select_top_k` defaults to the config's `generate.select_top_k`; `schedule` and `temperatures` as in
+    `SpeculativeDecoder`."""
+    if select_top_k is None:
+        select_top_k = config.generate.get("select_top_k", 0)  # absent from configs stored before it
+    side = target_side.side_from_target(target, mesh)
+    side = target_side.with_side_inputs(config, side)
+    return SpeculativeDecoder(
+        target.model,
+        *draft,
+        side.frozen,
+        proposer=groups.get(config.experiment).proposer,
+        aux_layer_ids=config.data.aux_layer_ids,
+        eos_ids=target.eos_ids,
+        pad_id=target.tokenizer.pad_id,
+        batch_size=batch_size,
+        mesh=mesh,
+        select_top_k=select_top_k,
+        schedule=schedule,
+        temperatures=temperatures,
+    )

@@ -1,0 +1,150 @@
+"""A trained draft to and from DeepSpec's checkpoint layout (`dspark_jax.interop.deepspec_layout`).
+
+`export_draft` writes a project checkpoint's draft as a DeepSpec directory: the draft's tensors under
+DeepSpec's names plus the target's frozen embedding and LM head (which every DeepSpec draft carries, so
+that `Qwen3DSparkModel.from_pretrained` finds all of its weights), and `config.json` built from the
+target's config. `import_draft` reads such a directory into a new work directory as step 0 of a run of
+the given config: orbax, the layout training writes (parameters, a fresh optimizer state, the stored
+config in the meta item), so `evaluate` and `speculate` take it like a trained run, and a group that
+starts from a baseline run (`Experiment.init_from`) starts from it (`init.checkpoint` = that work
+directory, `init.step=0`). Both check everything (the group's parameter names, the config, every
+tensor's name and shape) before writing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax import sharding
+from dspark_jax.interop import deepspec_layout as layout
+from dspark_jax.run import config_lib, draft_state
+from dspark_jax.run import optimizer as optimizer_lib
+from dspark_jax.run.checkpoints import Checkpointer
+from dspark_jax.target import TargetConfig, target_from_config
+from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def _target_path(config) -> Path:
+    return Path(config.target.path) if config.target.path else default_target_path()
+
+
+def target_shape(config) -> TargetConfig:
+    """The config's target shape, without reading any weight."""
+    if config.target.random_init:
+        return TargetConfig.from_json(config.target.arch.to_dict())
+    return load_checkpoint(_target_path(config)).config
+
+
+def target_tensors(config, mesh) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The target's Hugging Face config dict and its DeepSpec tensors `embed_tokens.weight` and
+    `lm_head.weight` (`[V, H]`, in `target.dtype`, the values training reads)."""
+    dtype = jnp.dtype(config.target.dtype)
+    if config.target.random_init:
+        model = target_from_config(config.target, seed=config.seed, mesh=mesh).model
+        hf_config = layout.hf_target_config(model.cfg)
+        embedding_VxH, lm_head_VxH = model.embedding.get_value(), model.lm_head_matrix().T
+    else:
+        path = _target_path(config)
+        ckpt = load_checkpoint(path)
+        hf_config = (
+            json.loads((path / layout.CONFIG_FILE).read_text())
+            if path.is_dir()
+            else layout.hf_target_config(ckpt.config)
+        )
+        embedding_VxH = ckpt.read("model.embed_tokens.weight")
+        lm_head_VxH = embedding_VxH if ckpt.config.tie_word_embeddings else ckpt.read("lm_head.weight")
+    tensors = dict(zip(layout.TARGET_TENSORS, (embedding_VxH, lm_head_VxH)))
+    return hf_config, {name: np.asarray(jax.device_get(x)).astype(dtype) for name, x in tensors.items()}
+
+
+def _flat(state: nnx.State) -> dict[layout.ParamPath, Any]:
+    return {path: variable.get_value() for path, variable in nnx.to_flat_state(state)}
+
+
+def _placed(abstract: nnx.State, values: dict[layout.ParamPath, np.ndarray]) -> nnx.State:
+    """The parameters `abstract` (with shardings) holding `values` by path, in their dtypes and shardings."""
+
+    def one(path, variable):
+        like = variable.get_value()
+        return path, variable.replace(jax.device_put(values[path].astype(like.dtype), like.sharding))
+
+    return nnx.from_flat_state([one(path, variable) for path, variable in nnx.to_flat_state(abstract)])
+
+
+def export_draft(config, checkpoint: str | os.PathLike, output: str | os.PathLike) -> Path:
+    """Writes the draft of `checkpoint` (trained with `config`) as a DeepSpec directory `output`."""
+    target = target_shape(config)
+    cfg = draft_state.draft_config(config, target)
+    _, abstract, _ = draft_state.abstract_draft(config, target)
+    layout.check_exportable({p: x.shape for p, x in _flat(abstract).items()}, cfg, config.experiment)
+    aux_ids = config.data.aux_layer_ids
+    if target.num_layers - 1 in aux_ids:
+        log.warning(
+            "data.aux_layer_ids %s include the target's last layer %d: DeepSpec's evaluator refuses such a "
+            "draft (its output_hidden_states hold the post-norm state there)",
+            tuple(aux_ids),
+            target.num_layers - 1,
+        )
+    mesh = sharding.make_mesh(config.mesh.to_dict())
+    hf_config, tensors = target_tensors(config, mesh)
+    config_json = layout.deepspec_config(
+        hf_config,
+        cfg,
+        num_target_layers=target.num_layers,
+        target_layer_ids=aux_ids,
+        num_anchors=config.train.num_anchors,
+        dtype=cfg.param_dtype,
+    )
+    _, params, _, step = draft_state.restore_draft(config, target, mesh, checkpoint)
+    host = {path: np.asarray(jax.device_get(x)) for path, x in _flat(params).items()}
+    tensors |= layout.to_deepspec(host, cfg, config.experiment)
+    directory = layout.write_directory(output, config_json, tensors)
+    log.info("exported step %d of %s to %s (%d tensors)", step, checkpoint, directory, len(tensors))
+    return directory
+
+
+def import_draft(config, directory: str | os.PathLike, workdir: str | os.PathLike) -> Path:
+    """Reads the DeepSpec draft `directory` into `workdir` as step 0 of a `config` run; returns the
+    checkpoints directory. The config must describe the same draft (checked key by key first)."""
+    directory = Path(directory)
+    config_json = layout.read_config(directory)
+    target = target_shape(config)
+    cfg = draft_state.draft_config(config, target)
+    layout.check_config(
+        config_json,
+        cfg,
+        num_target_layers=target.num_layers,
+        target_layer_ids=config.data.aux_layer_ids,
+        source=str(directory / layout.CONFIG_FILE),
+    )
+    _, abstract, _ = draft_state.abstract_draft(config, target)
+    layout.check_exportable({p: x.shape for p, x in _flat(abstract).items()}, cfg, config.experiment)
+    layout.check_tensors(layout.tensor_shapes(directory), cfg, str(directory))
+    names = list(layout.tensor_layout(cfg))
+    values = layout.from_deepspec(layout.read_tensors(directory, names), cfg, str(directory))
+
+    mesh = sharding.make_mesh(config.mesh.to_dict())
+    params = _placed(sharding.with_shardings(abstract, mesh, config_lib.sharding_rules(config)), values)
+    _, optimizer = optimizer_lib.make_training_optimizer(config, params)
+    state = {"params": params, "opt_state": optimizer_lib.init_optimizer_state(optimizer, params, mesh)}
+    meta = {
+        "step": 0,
+        "config": config_lib.to_stored(config),
+        "pretrained_steps": 0,
+        "imported_from": str(directory),
+    }
+    with Checkpointer(Path(workdir) / "checkpoints", max_to_keep=config.train.max_to_keep) as checkpointer:
+        checkpointer.save(0, state, meta=meta, force=True)
+        log.info("imported %s into %s as step 0", directory, checkpointer.directory)
+        return checkpointer.directory

@@ -1,0 +1,142 @@
+"""TODO docstring (draft_state)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+
+import jax
+from etils import epath
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from dspark_jax import groups, sharding
+from dspark_jax.run import checkpoints, config_lib
+from dspark_jax.run.checkpoints import Checkpointer
+from dspark_jax.target import TargetConfig
+
+log = logging.getLogger(__name__)
+
+
+def draft_config(config, target: TargetConfig):
+    """The draft config of `config`: its whole `draft` section plus what the target fixes."""
+    cls = groups.get(config.experiment).config_class
+    return cls.from_config(config.draft, target, num_aux=len(config.data.aux_layer_ids))
+
+
+def abstract_draft(config, target: TargetConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """`(graphdef, params, rest)` of the config's draft as `ShapeDtypeStruct`s (nothing allocated)."""
+    build = groups.get(config.experiment).build_draft
+    cfg = draft_config(config, target)
+    return nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(config.seed))), nnx.Param, ...)
+
+
+def _build_state(config, target: TargetConfig, mesh: Mesh, *, with_params: bool):
+    """`(params, rest)` (params None unless `with_params`) of a new draft, initialised under `jit` straight
+    into their shardings (no full host copy at paper shapes; unused parts are never computed)."""
+    build = groups.get(config.experiment).build_draft
+    cfg = draft_config(config, target)
+    _, abstract_params, abstract_rest = abstract_draft(config, target)
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    param_shardings = sharding.state_shardings(abstract_params, mesh, config_lib.sharding_rules(config))
+    out_shardings = (
+        param_shardings if with_params else None,
+        jax.tree.map(lambda _: replicated, abstract_rest),
+    )
+
+    @functools.partial(jax.jit, out_shardings=out_shardings)
+    def init():
+        _, params, rest = nnx.split(build(cfg, rngs=nnx.Rngs(config.seed)), nnx.Param, ...)
+        return (params if with_params else None), rest
+
+    return init()
+
+
+def init_draft(config, target: TargetConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """`(graphdef, params, rest)` of a freshly initialised draft, params sharded on `mesh`."""
+    graphdef = abstract_draft(config, target)[0]
+    params, rest = _build_state(config, target, mesh, with_params=True)
+    return graphdef, params, rest
+
+
+def init_source(config) -> tuple[epath.Path, int] | None:
+    """`(checkpoints directory, step)` a run of an `init_from` group starts from, checked before any work:
+    it exists, holds that step, and was trained by that group with the same shapes. None for other groups."""
+    experiment = groups.get(config.experiment)
+    if experiment.init_from is None:
+        return None
+    init = config.init
+    if not init.checkpoint:
+        raise config_lib.UsageError(
+            f"config.init.checkpoint is empty: {config.experiment} starts from a {experiment.init_from} run "
+            f"(train one with python -m dspark_jax.train --config=configs/{experiment.init_from}.py)"
+        )
+    try:
+        directory, _ = checkpoints.resolve_checkpoint(init.checkpoint)
+        stored = checkpoints.run_config(init.checkpoint)
+    except FileNotFoundError as e:
+        raise config_lib.UsageError(f"config.init.checkpoint: {e}") from None
+    if stored.experiment != experiment.init_from:
+        raise config_lib.UsageError(
+            f"config.init.checkpoint {init.checkpoint} is a {stored.experiment!r} run; "
+            f"{config.experiment} starts from a {experiment.init_from!r} one"
+        )
+    config_lib.check_same_shape(
+        _as_group(config, experiment.init_from), stored, f"config.init.checkpoint {directory}"
+    )
+    with Checkpointer(directory) as checkpointer:
+        if init.step not in checkpointer.all_steps():
+            raise config_lib.UsageError(
+                f"config.init.step={init.step}: {directory} holds steps {checkpointer.all_steps()}"
+            )
+    return directory, init.step
+
+
+def _as_group(config, group: str):
+    """`config` as the `group` run it starts from: that experiment, its draft settings only."""
+    names = {f.name for f in dataclasses.fields(groups.get(group).config_class)}
+    data = config.to_dict()
+    data["experiment"] = group
+    data["draft"] = {k: v for k, v in data["draft"].items() if k in names}
+    data.pop("init", None)
+    return config_lib.from_stored(data)
+
+
+def warm_start(config, target: TargetConfig, mesh: Mesh, params, source: tuple[epath.Path, int]):
+    """`params` with the `init_from` run's parameters restored into their names from `source`
+    (`init_source`'s `(directory, step)`; every one of that run's parameters must be there with its
+    shape, nothing else is read); the others keep their values."""
+    directory, step = source
+    _, abstract, _ = abstract_draft(_as_group(config, groups.get(config.experiment).init_from), target)
+    abstract = sharding.with_shardings(abstract, mesh, config_lib.sharding_rules(config))
+    with Checkpointer(directory) as checkpointer:
+        restored = checkpointer.restore_params(step, abstract)
+    log.info("warm start: %d parameter groups from %s step %d", len(restored), directory, step)
+    return nnx.State({**dict(params), **dict(restored)})
+
+
+def abstract_state(state, mesh: Mesh):
+    """`ShapeDtypeStruct`s (with shardings) shaped like `state`, for orbax restores. A leaf not laid out on
+    `mesh` (the optimizer's step count, placed on one device by `optimizer.init`) is restored replicated
+    over the mesh: on one device it would belong to one process only, and a multi-process step refuses it."""
+    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def one(x):
+        sharding = x.sharding if isinstance(x.sharding, NamedSharding) else replicated
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(one, state)
+
+
+def restore_draft(config, target: TargetConfig, mesh: Mesh, checkpoint: str | os.PathLike):
+    """`(graphdef, params, rest, step)` of a trained draft; reads only the parameters (no optimizer state)."""
+    graphdef, abstract_params, _ = abstract_draft(config, target)
+    abstract_params = sharding.with_shardings(abstract_params, mesh, config_lib.sharding_rules(config))
+    _, rest = _build_state(config, target, mesh, with_params=False)
+    directory, _ = checkpoints.resolve_checkpoint(checkpoint)
+    step = checkpoints.checkpoint_step(checkpoint)
+    with Checkpointer(directory) as checkpointer:
+        params = checkpointer.restore_params(step, abstract_params)
+    return graphdef, params, rest, step

@@ -1,0 +1,134 @@
+"""TODO docstring (target_side)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from dspark_jax import groups, sharding
+from dspark_jax.cache import read_manifest
+from dspark_jax.cache.build import cache_path, prepare_split
+from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.target import Target, TargetConfig, target_from_config
+from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
+from dspark_jax.target.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSide:
+    """What training needs of the target: its shape, frozen matrices and identity."""
+
+    config: TargetConfig
+    frozen: FrozenTarget
+    fingerprint: str
+    tokenizer_fingerprint: str
+    pad_id: int
+
+
+def _place(x: np.ndarray | jax.Array, axes: tuple[str, str], mesh: Mesh, dtype) -> jax.Array:
+    spec = sharding.logical_to_spec(axes, np.shape(x), mesh)
+    return jax.device_put(jnp.asarray(x, dtype), NamedSharding(mesh, spec))
+
+
+def side_from_target(target: Target, mesh: Mesh) -> TargetSide:
+    model, dtype = target.model, jnp.dtype(target.model.dtype)
+    frozen = FrozenTarget(
+        _place(model.embedding.get_value(), ("vocab", "embed"), mesh, dtype),
+        _place(model.lm_head_matrix(), ("embed", "vocab"), mesh, dtype),
+    )
+    tokenizer = target.tokenizer
+    return TargetSide(
+        target.config,
+        frozen,
+        target.fingerprint,
+        tokenizer.fingerprint(),
+        tokenizer.pad_id if tokenizer.pad_id is not None else 0,
+    )
+
+
+def side_from_checkpoint(config, mesh: Mesh) -> TargetSide:
+    """Reads only the embedding and LM head of the target checkpoint (plus its tokenizer)."""
+    path = default_target_path() if not config.target.path else config.target.path
+    ckpt = load_checkpoint(path)
+    dtype = jnp.dtype(config.target.dtype)
+    lm_name = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
+    embedding = ckpt.read("model.embed_tokens.weight")
+    frozen = FrozenTarget(
+        _place(embedding, ("vocab", "embed"), mesh, dtype),
+        _place(ckpt.read(lm_name).T, ("embed", "vocab"), mesh, dtype),
+    )
+    tokenizer = (
+        Tokenizer.from_gguf(path)
+        if str(path).endswith(".gguf")
+        else Tokenizer.from_tokenizer_json(f"{path}/tokenizer.json")
+    )
+    return TargetSide(
+        ckpt.config,
+        frozen,
+        ckpt.fingerprint(),
+        tokenizer.fingerprint(),
+        tokenizer.pad_id if tokenizer.pad_id is not None else 0,
+    )
+
+
+def _cache_complete(path: str) -> bool:
+    try:
+        return bool(read_manifest(path).get("complete"))
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]:
+    """The target side and the train/val cache paths, building missing caches first.
+
+    `data.train_cache` / `data.val_cache` name existing caches to use as they are.
+    """
+    if config.preset == "paper" and not config.target.path:
+        raise ValueError(
+            "config.target.path is required for the paper preset (the Qwen3.8-Flash-Next weights)"
+        )
+    target = None
+    if config.target.random_init:
+        target = target_from_config(config.target, seed=config.seed, mesh=mesh)
+        side = side_from_target(target, mesh)
+    else:
+        side = side_from_checkpoint(config, mesh)
+    given = {"train": config.data.train_cache, "val": config.data.val_cache}
+    paths = {split: given[split] or cache_path(config, side.fingerprint, split) for split in given}
+
+    def load_target() -> Target:
+        nonlocal target
+        target = target or target_from_config(config.target, seed=config.seed, mesh=mesh)
+        return target
+
+    side = with_side_inputs(config, side, load_target)  # before the caches: its errors are cheap to find
+    for split, path in paths.items():
+        if not given[split] and not _cache_complete(path):
+            log.info("%s cache %s is missing or incomplete: building it", split, path)
+            prepare_split(config, split, load_target(), mesh)
+    return side, paths
+
+
+def with_side_inputs(config, side: TargetSide, load_target: Callable[[], Target] | None = None) -> TargetSide:
+    """`side` with the side inputs of the config's group on device (`Experiment.side_inputs`, made for this
+    target; `load_target()` loads the full target where one must be built, None where nothing may be); the
+    same `side` for a group without any."""
+    make = groups.get(config.experiment).side_inputs
+    if make is None:
+        return side
+    inputs = make(
+        config,
+        fingerprint=side.fingerprint,
+        tokenizer_fingerprint=side.tokenizer_fingerprint,
+        vocab_size=side.config.vocab_size,
+        load_target=load_target,
+    )
+    return dataclasses.replace(side, frozen=side.frozen._replace(side_inputs=dict(inputs)))

@@ -1,0 +1,255 @@
+"""The package's architecture, read from its source: layers, no import cycles, group words only in groups.
+
+Every `import` and `from ... import` in `dspark_jax/` counts, deferred ones inside functions included.
+The rules (README, "Architecture"):
+
+- top-level packages form the layers of `LAYERS`, bottom up: a module imports only its own package and
+  packages of lower layers (so no package imports one above it, and no two packages import each other);
+- no import cycle between modules either;
+- the libraries (`LIBRARIES`) import nothing from `groups`, `run`, `training`, `inference`, `suite`, `cli`;
+- no file outside `dspark_jax/groups/` holds a group's name or one of its config keys (read from the
+  registry: names, shape/resumable/path keys, decoding flags, draft settings), except `ALLOWED`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from configs import baseline
+from dspark_jax import groups
+from dspark_jax.draft.model import DraftConfig
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dspark_jax"
+# `python -m dspark_jax.<command>` aliases of `cli/` modules: dspark_jax/<command>.py, train/, experiments/
+ENTRY = "<commands>"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("<root>", "errors", "nn", "sharding"),  # <root>: the package's own __init__ (the shape legend)
+    ("kernels",),
+    ("target",),
+    ("data",),
+    ("cache",),
+    ("draft",),
+    ("interop",),
+    ("inference",),
+    ("groups",),
+    ("run",),
+    ("training",),
+    ("suite",),
+    ("cli",),
+    (ENTRY,),
+)
+LIBRARIES = ("nn", "sharding", "kernels", "target", "data", "cache", "draft")
+UPPER = ("groups", "run", "training", "inference", "suite", "cli")
+COMMAND_PACKAGES = ("train", "experiments")  # hold only `python -m` aliases of `cli/` modules
+
+# Words that name a group or one of its keys and still belong elsewhere, each with its reason.
+GENERIC = {
+    "baseline": "the seed's name for the base draft that every group extends (`draft/`)",
+    "memory": "also device memory (the AOT check), and the attention's `[context; memory; block]` operand",
+}
+# Files outside groups/ that may name a group, each with its reason.
+ALLOWED = {
+    "cli/fit_engram.py": "the Engram groups' table-fitting command; every command's code lives in cli/",
+    "fit_engram.py": "its documented alias, `python -m dspark_jax.fit_engram`",
+}
+
+
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """`{dotted module name: path}` of every module of the package (a package as its `__init__`)."""
+    out = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = [package.name, *path.relative_to(package).with_suffix("").parts]
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that module `name` imports, anywhere in its body."""
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                module = ".".join([*base[: len(base) - node.level + 1], *([module] if module else [])])
+            targets = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                out.add(target)
+    return out
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    found = modules(package)
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+ROOT_LIBRARIES = ("errors", "nn", "sharding")  # the top-level modules that are not command aliases
+
+
+def top_package(module: str, package: Path = PACKAGE) -> str:
+    """The layer key of a module: its top-level package or library module, `<root>` for the package's
+    `__init__`, `ENTRY` for a command alias (another top-level module, or one of `COMMAND_PACKAGES`)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "<root>"
+    alias = len(parts) == 2 and not (package / parts[1]).is_dir() and parts[1] not in ROOT_LIBRARIES
+    return ENTRY if alias or parts[1] in COMMAND_PACKAGES else parts[1]
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            component.append(v)
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def violations(graph: Mapping[str, set[str]], package: Path = PACKAGE) -> Iterator[str]:
+    """Every import that breaks a layer rule, as `a -> b (why)`."""
+    rank = {package: i for i, layer in enumerate(LAYERS) for package in layer}
+    for module, targets in sorted(graph.items()):
+        here = top_package(module, package)
+        for target in sorted(targets):
+            there = top_package(target, package)
+            if here not in rank or there not in rank:
+                missing = here if here not in rank else there
+                yield f"{module} -> {target} (a package missing from LAYERS: {missing})"
+            elif rank[there] > rank[here]:
+                yield f"{module} -> {target} (upward: {here} is below {there})"
+            elif rank[there] == rank[here] and there != here:
+                yield f"{module} -> {target} (sideways between {here} and {there})"
+            elif here in LIBRARIES and there in UPPER:
+                yield f"{module} -> {target} (a library imports {there})"
+
+
+def module_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """Module cycles, not counting a package's `__init__` importing its own modules."""
+    inner = lambda a, b: a.startswith(b + ".") or b.startswith(a + ".")
+    return cycles({m: {t for t in ts if not inner(m, t)} for m, ts in graph.items()})
+
+
+def package_cycles(graph: Mapping[str, set[str]], package: Path = PACKAGE) -> list[list[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for module, targets in graph.items():
+        here = top_package(module, package)
+        edges[here] |= {top_package(t, package) for t in targets} - {here}
+    return cycles(edges)
+
+
+def group_words() -> set[str]:
+    """Every registered group's name, config sections of its own, and config keys (the last part of a
+    dotted key: its draft settings beyond the base draft's, shape/resumable keys, decoding flags), and the
+    first word of each (`rerank_width` -> `rerank`), lower case, less `GENERIC`."""
+    shared = set(baseline.get_config("smoke"))  # the sections every config has
+    base_settings = {f.name for f in dataclasses.fields(DraftConfig)}
+    words = set()
+    for e in groups.registered():
+        keys = [*e.shape_keys, *e.resumable_keys, *(option.key for option in e.decode_options)]
+        sections = {k.split(".")[0] for k in keys} | {section for section, _ in e.path_keys}
+        words |= {e.name, *(k.rsplit(".", 1)[-1] for k in keys), *(sections - shared)}
+        words |= {f.name for f in dataclasses.fields(e.config_class)} - base_settings
+    words |= {w.split("_")[0] for w in words}  # 'rerank_width' -> 'rerank', 'engram_markov' -> 'engram'
+    return {w.lower() for w in words} - set(GENERIC)
+
+
+def group_word_lines(package: Path = PACKAGE, words: set[str] | None = None) -> list[str]:
+    """`path:line: word` for every code line (comments aside) outside `groups/` that holds a group word."""
+    alternatives = sorted(map(re.escape, words or group_words()), key=len, reverse=True)
+    pattern = re.compile("|".join(alternatives), re.I)
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        if rel.startswith("groups/") or rel in ALLOWED:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if found := pattern.search(line.split("#", 1)[0]):
+                out.append(f"{rel}:{n}: {found.group(0)}")
+    return out
+
+
+def test_layers_hold_and_nothing_imports_upward():
+    assert list(violations(import_graph())) == []
+
+
+def test_no_import_cycle_between_modules_or_packages():
+    graph = import_graph()
+    assert module_cycles(graph) == [] and package_cycles(graph) == []
+
+
+def test_every_top_level_package_has_a_layer():
+    packages = {top_package(m) for m in modules()}
+    assert packages <= {p for layer in LAYERS for p in layer}, packages
+
+
+def test_no_group_word_outside_the_group_packages():
+    assert {"engram", "engram_dim", "memory_source", "rerank", "reranker_joint"} <= group_words()
+    assert group_word_lines() == []
+
+
+def _tree(tmp_path: Path, files: Mapping[str, str]) -> Path:
+    package = tmp_path / "dspark_jax"
+    for name, text in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    return package
+
+
+def test_the_checks_fail_on_an_upward_import_a_cycle_and_a_group_word(tmp_path):
+    """The rules above, applied to a tiny package that breaks each of them once (a deferred import too)."""
+    package = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "draft/__init__.py": "",
+            "draft/model.py": "def f():\n    from dspark_jax.run import assemble  # deferred: counted\n",
+            "run/__init__.py": "",
+            "run/assemble.py": "from dspark_jax.draft import model\nfrom dspark_jax.run import other\n",
+            "run/other.py": "from dspark_jax.run import assemble\nENGRAM_TABLE = 1\n",
+            "groups/__init__.py": "ENGRAM = 1\n",
+        },
+    )
+    graph = import_graph(package)
+    assert list(violations(graph, package)) == [
+        "dspark_jax.draft.model -> dspark_jax.run (upward: draft is below run)",
+        "dspark_jax.draft.model -> dspark_jax.run.assemble (upward: draft is below run)",
+    ]
+    assert module_cycles(graph) == [
+        ["dspark_jax.draft.model", "dspark_jax.run.assemble", "dspark_jax.run.other"]
+    ]
+    assert package_cycles(graph, package) == [["draft", "run"]]
+    assert group_word_lines(package, {"engram"}) == ["run/other.py:2: ENGRAM"]

@@ -1,4 +1,5 @@
-"""TODO docstring (decoding)."""
+"""The speculative decoder of a run: a loaded target, a restored draft and the group's proposer and side
+inputs, from the run's config."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""TODO docstring (draft_state)."""
+"""The draft of a run: its config from the `draft` section, abstract shapes, a fresh initialisation straight
+into its shardings, a warm start from another group's run (`Experiment.init_from`) and a restore from a
+checkpoint."""
 
 from __future__ import annotations
 

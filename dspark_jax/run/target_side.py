@@ -1,4 +1,6 @@
-"""TODO docstring (target_side)."""
+"""What a run needs of the target: its shape, frozen embedding and LM head, identity and pad id (the full
+target only when a cache must be built), the group's side inputs, and the train/val caches, built first
+when missing."""
 
 from __future__ import annotations
 

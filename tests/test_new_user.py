@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_metrics_writer import read_events
+from tests.training.test_metrics_writer import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 

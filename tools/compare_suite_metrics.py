@@ -18,7 +18,8 @@ def rows(path: Path) -> list[dict]:
 
 def main(old: Path, new: Path) -> int:
     total = differ = 0
-    for group in sorted(p.name for p in old.iterdir() if (p / "metrics.jsonl").exists()):
+    groups = [p.name for p in old.iterdir() if (p / "metrics.jsonl").exists() and (new / p.name / "metrics.jsonl").exists()]
+    for group in sorted(groups):
         a, b = rows(old / group / "metrics.jsonl"), rows(new / group / "metrics.jsonl")
         if len(a) != len(b):
             print(f"{group}: {len(a)} rows vs {len(b)}")

@@ -35,14 +35,14 @@ from dspark_jax.run import checkpoints, decoding, draft_state
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import prompt_ids
 from dspark_jax.target.generate import GenerationStats, SamplingParams
-from dspark_jax.target.model import KVCache
+from dspark_jax.target.model import DecodeCache
 
 
 def target_forward_ms(target, rows: int, context: int, tokens: int, repeats: int = 10) -> float:
     """Milliseconds of one target forward of `tokens` new tokens per row (with their logits) on a KV
     cache holding `context` tokens: 1 token is a decode step, `S + 1` a verification's forward."""
     graphdef, state = nnx.split(target.model)
-    cache = KVCache.zeros(target.config, rows, context + tokens, target.model.dtype)
+    cache = DecodeCache.zeros(target.config, rows, context + tokens, target.model.dtype)
     cache = cache._replace(end_B=jnp.full((rows,), context, jnp.int32))
     tokens_BxT = jnp.zeros((rows, tokens), jnp.int32)
 

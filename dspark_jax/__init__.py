@@ -27,9 +27,15 @@ same letters. Every name in the package, its tests and benchmarks follows this o
 
   attention:
   Q  query heads
-  G  KV heads
-  E  query heads per KV head (Q/G)
-  D  head dim
+  G  KV heads (the key heads of a linear-attention layer)
+  E  query heads per KV head (Q/G; value heads per key head, J/G, in linear attention)
+  D  head dim (the key head dim in linear attention)
+
+  linear attention (Gated DeltaNet) and mixture of experts:
+  J  value heads of a linear-attention layer
+  Y  value head dim of a linear-attention layer
+  X  experts
+  I  intermediate width of an MLP or expert
 
 Juxtaposed letters are a flattened product: `h_BxNSxH` is `[B, N*S, H]`. A digit adds to the
 letter before it: `S1` = S + 1 (`target_logits_BxS1xV`). A bare `1` is an axis of size one

@@ -29,14 +29,20 @@ def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Dtype, std: float
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm with a learned scale (initialised to one)."""
+    """RMSNorm with a learned scale (initialised to one). With `unit_offset` the stored weight `w` is
+    centred on zero and the scale is `1 + w`, added in float32 (Qwen3-Next and Qwen 3.5 norms)."""
 
-    def __init__(self, dim: int, eps: float, *, param_dtype: Dtype = jnp.float32):
+    def __init__(self, dim: int, eps: float, *, param_dtype: Dtype = jnp.float32, unit_offset: bool = False):
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), axes=("norm",))
+        self.unit_offset = unit_offset
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.scale = nnx.Param(init((dim,), param_dtype), axes=("norm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.eps, self.scale.get_value())
+        scale = self.scale.get_value()
+        if self.unit_offset:
+            scale = 1.0 + scale.astype(jnp.float32)
+        return rms_norm(x, self.eps, scale)
 
 
 class LayerNorm(nnx.Module):
@@ -58,14 +64,18 @@ class LayerNorm(nnx.Module):
 def apply_rope(x_BxTxQxD: jax.Array, positions_BxT: jax.Array, inv_freq_F: jax.Array) -> jax.Array:
     """Rotary embedding in the Hugging Face (rotate-half) layout, computed in float32.
 
-    `x` holds queries or keys (then `G` heads in place of `Q`).
+    `x` holds queries or keys (then `G` heads in place of `Q`). With fewer than `D/2` frequencies
+    (partial rotary) only the first `2F` dims of each head rotate; the rest pass through.
     """
     angles_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * inv_freq_F.astype(jnp.float32)
     cos = jnp.cos(angles_BxTxF)[..., None, :]
     sin = jnp.sin(angles_BxTxF)[..., None, :]
     x = x_BxTxQxD.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotary = 2 * inv_freq_F.shape[-1]
+    x1, x2 = jnp.split(x[..., :rotary], 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if rotary < x.shape[-1]:
+        out = jnp.concatenate([out, x[..., rotary:]], axis=-1)
     return out.astype(x_BxTxQxD.dtype)
 
 
@@ -116,6 +126,7 @@ class AttentionProjections(nnx.Module):
         rngs: nnx.Rngs,
         param_dtype: Dtype = jnp.float32,
         dtype: Dtype = jnp.float32,
+        norm_unit_offset: bool = False,
     ):
         kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
         self.q = Linear(
@@ -128,8 +139,9 @@ class AttentionProjections(nnx.Module):
             (hidden,), (num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), use_bias=use_bias, **kw
         )
         self.o = Linear((num_heads, head_dim), (hidden,), ("heads", "head_dim", "embed"), **kw)
-        self.q_norm = RMSNorm(head_dim, eps, param_dtype=param_dtype) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, eps, param_dtype=param_dtype) if qk_norm else None
+        norm = dict(param_dtype=param_dtype, unit_offset=norm_unit_offset)
+        self.q_norm = RMSNorm(head_dim, eps, **norm) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, **norm) if qk_norm else None
 
     def queries(self, x_BxTxH: jax.Array) -> jax.Array:
         q_BxTxQxD = self.q(x_BxTxH)

@@ -39,6 +39,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("aux", None),
     ("rank", None),
+    ("expert", None),
 )
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]

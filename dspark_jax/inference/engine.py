@@ -41,7 +41,7 @@ from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget
 from dspark_jax.inference import scheduler
 from dspark_jax.inference.acceptance import accept_greedy, accept_sampling
 from dspark_jax.target.generate import SamplingParams, sample
-from dspark_jax.target.model import KVCache, Transformer
+from dspark_jax.target.model import DecodeCache, Transformer, keep_prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class SpecState(NamedTuple):
     """Loop state; `B` rows, `T` cache slots, `O` output slots (the legend in `dspark_jax/__init__.py`)."""
 
     cycle: jax.Array
-    target_cache: KVCache
+    target_cache: DecodeCache
     draft_k: tuple[jax.Array, ...]  # per draft layer [B, T, G, D]
     draft_v: tuple[jax.Array, ...]
     pending_B: jax.Array  # x[p], the next token not yet fed to the target
@@ -216,9 +216,10 @@ def prefill(
 
     Padding rows (`real_B` False) start done: they never cycle and never count in the statistics.
     """
-    b, _ = tokens_BxP.shape
-    cache = KVCache.zeros(target.cfg, b, max_len, target.dtype)
-    out = target(tokens_BxP, cache=cache, aux_layer_ids=settings.aux_layer_ids)
+    b, p = tokens_BxP.shape
+    cache = DecodeCache.zeros(target.cfg, b, max_len, target.dtype)
+    valid_BxP = jnp.arange(p) < lengths_B[:, None]
+    out = target(tokens_BxP, cache=cache, valid_BxT=valid_BxP, aux_layer_ids=settings.aux_layer_ids)
     cache = out.cache._replace(end_B=lengths_B.astype(jnp.int32))
     last_BxH = out.hidden_BxTxH[jnp.arange(b), lengths_B - 1]
     first_B = sample(target.logits(last_BxH), jax.random.fold_in(rng, 0), settings.params)
@@ -297,12 +298,14 @@ def verify_lengths(
     return scheduler.schedule_lengths(jnp.cumprod(confidence_BxS, axis=1), active_B, sps_N)
 
 
-def _verify_forward(target: Transformer, tokens_BxS1, cache: KVCache, settings: SpecSettings, width: int):
+def _verify_forward(target: Transformer, tokens_BxS1, cache: DecodeCache, settings: SpecSettings, width: int):
     """Target forward of the first `width` tokens of each row: logits `[B, S+1, V]`, aux states and the
-    cache, zero-padded past `width` (those positions are never read: at most `width - 1` are verified)."""
-    out = target(tokens_BxS1[:, :width], cache=cache, aux_layer_ids=settings.aux_layer_ids)
+    output (its cache and the linear layers' per-token states), zero-padded past `width` (those
+    positions are never read: at most `width - 1` are verified)."""
+    out = target(tokens_BxS1[:, :width], cache=cache, aux_layer_ids=settings.aux_layer_ids, keep_steps=True)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, tokens_BxS1.shape[1] - width)] + [(0, 0)] * (x.ndim - 2))
-    return pad(target.logits(out.hidden_BxTxH)), pad(out.aux_BxTxAxH), out.cache
+    steps = tuple(step.padded(tokens_BxS1.shape[1]) for step in out.steps)
+    return pad(target.logits(out.hidden_BxTxH)), pad(out.aux_BxTxAxH), (out.cache, steps)
 
 
 def verify_and_accept(
@@ -328,12 +331,12 @@ def verify_and_accept(
     forward = functools.partial(_verify_forward, target, tokens_BxS1, state.target_cache, settings)
     if settings.verify_buckets is None:
         width = jnp.int32(s + 1)
-        target_logits, aux_BxS1xAxH, target_cache = forward(s + 1)
+        target_logits, aux_BxS1xAxH, verified = forward(s + 1)
     else:
         index = scheduler.bucket_index(lengths_B, active_B, settings.verify_buckets)
         width = jnp.asarray(settings.verify_buckets, jnp.int32)[index]
         branches = [functools.partial(forward, w) for w in settings.verify_buckets]
-        target_logits, aux_BxS1xAxH, target_cache = jax.lax.switch(index, branches)
+        target_logits, aux_BxS1xAxH, verified = jax.lax.switch(index, branches)
     if settings.params.temperature == 0:
         m_B, next_B = accept_greedy(drafts_BxS, target_logits, lengths_B)
     else:
@@ -353,7 +356,7 @@ def verify_and_accept(
     out_BxO = jnp.where(active_B[:, None], out_BxO, state.out_BxO)
     # Roll the target cache back to the accepted prefix; extend the draft context with it.
     end_B = jnp.where(active_B, p_B + m_B + 1, p_B)
-    target_cache = target_cache._replace(end_B=end_B)
+    target_cache = keep_prefix(state.target_cache, *verified, end_B)
     draft_k, draft_v = append_context(draft, state.draft_k, state.draft_v, aux_BxS1xAxH, p_B)
     verified_BxS = jnp.arange(s) < lengths_B[:, None]
     reached_BxS = active_B[:, None] & (jnp.arange(s) <= m_B[:, None]) & verified_BxS

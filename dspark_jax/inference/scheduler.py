@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.target.model import KVCache, Transformer
+from dspark_jax.target.model import DecodeCache, Transformer
 
 DEFAULT_BUCKETS = (1, 2, 4, 8)
 
@@ -104,7 +104,8 @@ def profile_sps(
     aux_layer_ids: Sequence[int],
     repeats: int = 5,
 ) -> SpsTable:
-    """Times the verification forward (target with its KV cache, LM head) at `[rows, W]` per bucket width.
+    """Times the verification forward (target with its decoding cache, the linear layers' per-token states,
+    LM head) at `[rows, W]` per bucket width.
 
     The cache has `max_len` slots, half of them filled (attention reads the whole buffer either way); each
     width compiles once, then the median of `repeats` timed calls gives `SPS = 1 / seconds`.
@@ -115,10 +116,10 @@ def profile_sps(
     @jax.jit
     def verify(state, tokens_BxW, cache):
         model = nnx.merge(graphdef, state)
-        out = model(tokens_BxW, cache=cache, aux_layer_ids=aux_layer_ids)
-        return model.logits(out.hidden_BxTxH), out.aux_BxTxAxH
+        out = model(tokens_BxW, cache=cache, aux_layer_ids=aux_layer_ids, keep_steps=True)
+        return model.logits(out.hidden_BxTxH), out.aux_BxTxAxH, out.steps
 
-    cache = KVCache.zeros(target.cfg, rows, max_len, target.dtype)
+    cache = DecodeCache.zeros(target.cfg, rows, max_len, target.dtype)
     cache = cache._replace(end_B=jnp.full((rows,), max_len // 2, jnp.int32))
     tokens, sps = [], []
     for width in buckets:

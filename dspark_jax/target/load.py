@@ -37,16 +37,28 @@ _LAYER_TENSORS: dict[tuple[str, ...], tuple[str, str]] = {
     ("mlp", "gate", "kernel"): ("mlp.gate_proj.weight", "transpose"),
     ("mlp", "up", "kernel"): ("mlp.up_proj.weight", "transpose"),
     ("mlp", "down", "kernel"): ("mlp.down_proj.weight", "transpose"),
+    ("linear_attn", "dt_bias"): ("linear_attn.dt_bias", "vector"),
+    ("linear_attn", "a_log"): ("linear_attn.A_log", "vector"),
+    ("linear_attn", "norm_scale"): ("linear_attn.norm.weight", "vector"),
+    ("linear_attn", "out", "kernel"): ("linear_attn.out_proj.weight", "heads_out"),
+    ("mlp", "router", "kernel"): ("mlp.gate.weight", "transpose"),
+    ("mlp", "shared", "gate", "kernel"): ("mlp.shared_expert.gate_proj.weight", "transpose"),
+    ("mlp", "shared", "up", "kernel"): ("mlp.shared_expert.up_proj.weight", "transpose"),
+    ("mlp", "shared", "down", "kernel"): ("mlp.shared_expert.down_proj.weight", "transpose"),
+    ("mlp", "shared_gate", "kernel"): ("mlp.shared_expert_gate.weight", "transpose"),
 }
 _TOP_TENSORS: dict[tuple[str, ...], tuple[str, str]] = {
     ("embedding",): ("model.embed_tokens.weight", "vector"),
     ("final_norm", "scale"): ("model.norm.weight", "vector"),
     ("lm_head",): ("lm_head.weight", "transpose"),
 }
+# Experts stored one SwiGLU per expert: our stacked variable -> the per-expert HF name below `mlp.`.
+_EXPERT_TENSORS = {"gate_XxHxI": "gate_proj", "up_XxHxI": "up_proj", "down_XxIxH": "down_proj"}
+_LINEAR_PARTS = ("q", "k", "v", "z", "b", "a")
 
 
 def hf_source(path: tuple) -> tuple[str, str]:
-    """Hugging Face tensor name and layout change for one model variable path."""
+    """Hugging Face tensor name and layout change for one model variable path read from one tensor."""
     if path[0] == "layers":
         name, layout = _LAYER_TENSORS[tuple(path[2:])]
         return f"model.layers.{path[1]}.{name}", layout
@@ -66,6 +78,64 @@ def to_model_layout(hf_value: np.ndarray, layout: str, shape: tuple[int, ...]) -
     else:
         raise ValueError(f"unknown layout {layout!r}")
     return np.ascontiguousarray(out).reshape(shape)
+
+
+def _linear_attention_rows(
+    cfg: TargetConfig, read: Callable[[str], np.ndarray], p: str
+) -> dict[str, np.ndarray]:
+    """A Gated DeltaNet layer's q/k/v/z/b/a projection rows `[out, H]`, split from the checkpoint's fused
+    tensors: Qwen 3.5 stores `[q; k; v]`, `z`, `b`, `a`; Qwen3-Next interleaves them per key head."""
+    g, j = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    d, y, e = cfg.linear_key_head_dim, cfg.linear_value_head_dim, j // g
+    if cfg.family == "qwen3_next":
+        qkvz = read(p + "in_proj_qkvz.weight").reshape(g, 2 * d + 2 * e * y, -1)
+        ba = read(p + "in_proj_ba.weight").reshape(g, 2 * e, -1)
+        cuts = np.cumsum([d, d, e * y])
+        q, k, v, z = np.split(qkvz, cuts, axis=1)
+        b, a = np.split(ba, [e], axis=1)
+        return {name: x.reshape(-1, x.shape[-1]) for name, x in zip(_LINEAR_PARTS, (q, k, v, z, b, a))}
+    q, k, v = np.split(read(p + "in_proj_qkv.weight"), [g * d, 2 * g * d])
+    rows = dict(q=q, k=k, v=v)
+    return rows | {name: read(f"{p}in_proj_{name}.weight") for name in ("z", "b", "a")}
+
+
+def _split_conv_taps(cfg: TargetConfig, weight_Cx1xK: np.ndarray) -> dict[str, np.ndarray]:
+    """The depthwise conv weight `[C, 1, K]` (channels `[q; k; v]`) as our per-part taps `[K, C_part]`."""
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    taps_KxC = weight_Cx1xK[:, 0, :].T
+    q, k, v = np.split(taps_KxC, [key_dim, 2 * key_dim], axis=1)
+    return dict(q_taps=q, k_taps=k, v_taps=v)
+
+
+def tensor_reader(ckpt: TargetCheckpoint) -> Callable[[tuple, tuple[int, ...]], np.ndarray]:
+    """`read(path, shape)`: the value of model variable `path` from the checkpoint's tensors, whether it is
+    one tensor (`hf_source`), a part of a fused one (gated queries, linear-attention projections, conv
+    taps) or a stack of per-expert ones."""
+    cfg = ckpt.config
+    d = cfg.head_dim
+
+    def read(path, shape):
+        if path[0] == "layers" and len(path) >= 4:
+            prefix, sub = f"model.layers.{path[1]}.", tuple(path[2:])
+            if sub[0] == "linear_attn" and sub[1] in _LINEAR_PARTS:
+                rows = _linear_attention_rows(cfg, ckpt.read, prefix + "linear_attn.")[sub[1]]
+                return to_model_layout(rows, "in_heads", shape)
+            if sub[0] == "linear_attn" and sub[1].endswith("_taps"):
+                taps = _split_conv_taps(cfg, ckpt.read(prefix + "linear_attn.conv1d.weight"))[sub[1]]
+                return np.ascontiguousarray(taps).reshape(shape)
+            if sub[0] == "mlp" and sub[1] in _EXPERT_TENSORS:
+                part = _EXPERT_TENSORS[sub[1]]
+                return np.stack(
+                    [ckpt.read(f"{prefix}mlp.experts.{x}.{part}.weight").T for x in range(cfg.num_experts)]
+                ).reshape(shape)
+            if cfg.attn_output_gate and sub in (("attn", "q", "kernel"), ("attn_gate", "kernel")):
+                rows = ckpt.read(prefix + "self_attn.q_proj.weight").reshape(cfg.num_heads, 2 * d, -1)
+                half = rows[:, :d] if sub[0] == "attn" else rows[:, d:]
+                return to_model_layout(half.reshape(cfg.num_heads * d, -1), "in_heads", shape)
+        name, layout = hf_source(path)
+        return to_model_layout(ckpt.read(name), layout, shape)
+
+    return read
 
 
 def abstract_model(
@@ -107,9 +177,4 @@ def build_model(
 
 def model_from_checkpoint(ckpt: TargetCheckpoint, **kwargs) -> Transformer:
     """Loads every parameter of `ckpt` into a (sharded) model; see `build_model` for kwargs."""
-
-    def read(path, shape):
-        name, layout = hf_source(path)
-        return to_model_layout(ckpt.read(name), layout, shape)
-
-    return build_model(ckpt.config, read, **kwargs)
+    return build_model(ckpt.config, tensor_reader(ckpt), **kwargs)

@@ -1,11 +1,13 @@
-"""The frozen target LLM in Flax NNX: Llama 3, Qwen2/2.5, Qwen3 dense and SmolLM2.
+"""The frozen target LLM in Flax NNX: dense (Llama 3, Qwen2/2.5, Qwen3, SmolLM2), sparse (Qwen3-MoE)
+and hybrid (Qwen3-Next, Qwen 3.5, Qwen 3.5-MoE: Gated DeltaNet linear attention + gated full attention).
 
 One forward serves cache building (aux layer outputs and the post-norm final state for a
-whole sequence), generation and speculative verification (new tokens appended to a KV
+whole sequence), generation and speculative verification (new tokens appended to a decoding
 cache). Index conventions follow docs/design.md section 1: aux layer `l` is the output of
 decoder layer `l` before the final norm, `-1` the embedding output, and `hidden` is `S`,
 the final state after the final norm (the design notes' name for a value, not the shape letter `S`).
-Shape letters in names follow the legend in `dspark_jax/__init__.py`.
+Aux layers may be of either kind in a hybrid model. Shape letters in names follow the legend in
+`dspark_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -16,31 +18,60 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.nn import DecoderBlock, Dtype, RMSNorm, apply_rope, gqa_attention, normal_init
-from dspark_jax.target.config import TargetConfig
+from dspark_jax.nn import (
+    AttentionProjections,
+    Dtype,
+    Linear,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    gqa_attention,
+    normal_init,
+)
+from dspark_jax.target.config import FULL_ATTENTION, TargetConfig
+from dspark_jax.target.gated_deltanet import GatedDeltaNet, LinearState, LinearSteps, keep_steps
+from dspark_jax.target.moe import SparseMoE
 
 
-class KVCache(NamedTuple):
-    """Per-layer keys/values of a batch of sequences plus each row's valid slot range.
+class DecodeCache(NamedTuple):
+    """A batch's decoding state: keys/values of the full-attention layers, the conv windows and recurrent
+    states of the linear-attention layers, and each row's valid slot range.
 
     Row `b` holds tokens in slots `start[b] <= t < end[b]`; the next token goes to slot
-    `end[b]`, at RoPE position `end[b] - start[b]`. Left padding sets `start > 0`; rolling
-    back a speculative block lowers `end`.
+    `end[b]`, at RoPE position `end[b] - start[b]`. Left padding sets `start > 0`. Rolling a
+    speculative block back to its accepted prefix (`keep_prefix`) lowers `end` and, for the linear
+    layers, keeps the states after the accepted tokens.
     """
 
-    k_BxTxGxD: tuple[jax.Array, ...]  # one buffer per layer, updated in place under jit
+    k_BxTxGxD: tuple[jax.Array, ...]  # one buffer per full-attention layer, updated in place under jit
     v_BxTxGxD: tuple[jax.Array, ...]
+    linear: tuple[LinearState, ...]  # one per linear-attention layer
     start_B: jax.Array
     end_B: jax.Array
 
     @classmethod
-    def zeros(cls, cfg: TargetConfig, batch: int, max_len: int, dtype: Dtype) -> KVCache:
+    def zeros(cls, cfg: TargetConfig, batch: int, max_len: int, dtype: Dtype) -> DecodeCache:
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         zeros_B = jnp.zeros((batch,), jnp.int32)
-        layers = range(cfg.num_layers)
+        kinds = [cfg.layer_type(i) for i in range(cfg.num_layers)]
+        attention = [k for k in kinds if k == FULL_ATTENTION]
+        linear = [
+            LinearState.zeros(
+                batch,
+                key_heads=cfg.linear_num_key_heads,
+                value_heads=cfg.linear_num_value_heads,
+                key_dim=cfg.linear_key_head_dim,
+                value_dim=cfg.linear_value_head_dim,
+                conv_kernel=cfg.linear_conv_kernel_dim,
+                dtype=dtype,
+            )
+            for k in kinds
+            if k != FULL_ATTENTION
+        ]
         return cls(
-            tuple(jnp.zeros(shape, dtype) for _ in layers),
-            tuple(jnp.zeros(shape, dtype) for _ in layers),
+            tuple(jnp.zeros(shape, dtype) for _ in attention),
+            tuple(jnp.zeros(shape, dtype) for _ in attention),
+            tuple(linear),
             zeros_B,
             zeros_B,
         )
@@ -51,36 +82,85 @@ class KVCache(NamedTuple):
 
 
 class TargetOutput(NamedTuple):
-    """Forward results; `aux_BxTxAxH` stacks the requested layer outputs in request order."""
+    """Forward results; `aux_BxTxAxH` stacks the requested layer outputs in request order. `steps` holds,
+    per linear-attention layer, the states after every new token (only with `keep_steps=True`)."""
 
     hidden_BxTxH: jax.Array
     aux_BxTxAxH: jax.Array | None
-    cache: KVCache | None
+    cache: DecodeCache | None
+    steps: tuple[LinearSteps, ...] = ()
 
 
-class DecoderLayer(DecoderBlock):
-    def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs, param_dtype: Dtype, dtype: Dtype):
-        super().__init__(
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-            eps=cfg.rms_norm_eps,
-            use_bias=cfg.attention_bias,
-            qk_norm=cfg.qk_norm,
-            rngs=rngs,
-            param_dtype=param_dtype,
-            dtype=dtype,
-        )
+def keep_prefix(
+    before: DecodeCache, after: DecodeCache, steps: tuple[LinearSteps, ...], end_B: jax.Array
+) -> DecodeCache:
+    """The cache after the first `end_B - before.end_B` of the tokens that a `keep_steps=True` forward
+    appended to `before` (giving `after` and `steps`), per row (0 keeps `before`): attention layers
+    lower `end`, linear layers keep the states after exactly those tokens."""
+    keep_B = end_B - before.end_B
+    linear = tuple(keep_steps(state, step, keep_B) for state, step in zip(before.linear, steps))
+    return after._replace(linear=linear, end_B=end_B)
 
-    def __call__(self, x_BxTxH, positions_BxT, inv_freq, visible_BxTxT, kv=None):
-        """One layer. `kv = (k_BxTxGxD, v_BxTxGxD, slots_BxT)` appends the new keys/values to a
-        cache at `slots_BxT` and attends over it; without it the layer attends over its own
-        keys/values. Returns the new residual stream and the keys/values attended over."""
-        h = self.input_norm(x_BxTxH)
-        q_BxTxQxD = apply_rope(self.attn.queries(h), positions_BxT, inv_freq)
-        k_BxTxGxD, v_BxTxGxD = self.attn.keys_values(h)
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm decoder layer: a token mixer (full attention, optionally with a sigmoid output gate,
+    or Gated DeltaNet linear attention), then an MLP (SwiGLU or the sparse experts)."""
+
+    def __init__(self, cfg: TargetConfig, index: int, *, rngs: nnx.Rngs, param_dtype: Dtype, dtype: Dtype):
+        kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+        norm = dict(param_dtype=param_dtype, unit_offset=cfg.norm_unit_offset)
+        h = cfg.hidden_size
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps, **norm)
+        if cfg.layer_type(index) == FULL_ATTENTION:
+            self.attn = AttentionProjections(
+                h,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                eps=cfg.rms_norm_eps,
+                use_bias=cfg.attention_bias,
+                qk_norm=cfg.qk_norm,
+                norm_unit_offset=cfg.norm_unit_offset,
+                **kw,
+            )
+            self.attn_gate = (
+                Linear((h,), (cfg.num_heads, cfg.head_dim), ("embed", "heads", "head_dim"), **kw)
+                if cfg.attn_output_gate
+                else None
+            )
+            self.linear_attn = None
+        else:
+            self.attn = self.attn_gate = None
+            self.linear_attn = GatedDeltaNet(
+                h,
+                cfg.linear_num_key_heads,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+                cfg.linear_conv_kernel_dim,
+                cfg.rms_norm_eps,
+                **kw,
+            )
+        self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, **norm)
+        if cfg.is_sparse(index):
+            self.mlp = SparseMoE(
+                h,
+                cfg.num_experts,
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                norm_topk_prob=cfg.norm_topk_prob,
+                shared_intermediate=cfg.shared_expert_intermediate_size,
+                **kw,
+            )
+        else:
+            self.mlp = SwiGLU(h, cfg.intermediate_size, **kw)
+
+    def attend(self, h_BxTxH, positions_BxT, inv_freq, visible_BxTxT, kv=None):
+        """Full attention. `kv = (k_BxTxGxD, v_BxTxGxD, slots_BxT)` appends the new keys/values to a
+        cache at `slots_BxT` and attends over it; without it the layer attends over its own keys/values.
+        Returns the mixer's output and the keys/values attended over."""
+        q_BxTxQxD = apply_rope(self.attn.queries(h_BxTxH), positions_BxT, inv_freq)
+        k_BxTxGxD, v_BxTxGxD = self.attn.keys_values(h_BxTxH)
         k_BxTxGxD = apply_rope(k_BxTxGxD, positions_BxT, inv_freq)
         if kv is not None:
             k_cache, v_cache, slots_BxT = kv
@@ -90,8 +170,14 @@ class DecoderLayer(DecoderBlock):
         attn_BxTxQxD = gqa_attention(
             q_BxTxQxD, k_BxTxGxD.astype(q_BxTxQxD.dtype), v_BxTxGxD.astype(q_BxTxQxD.dtype), visible_BxTxT
         )
-        x_BxTxH = self.finish(x_BxTxH, attn_BxTxQxD)
-        return x_BxTxH, k_BxTxGxD, v_BxTxGxD
+        if self.attn_gate is not None:
+            attn_BxTxQxD = attn_BxTxQxD * jax.nn.sigmoid(self.attn_gate(h_BxTxH)).astype(attn_BxTxQxD.dtype)
+        return self.attn.o(attn_BxTxQxD), k_BxTxGxD, v_BxTxGxD
+
+    def finish(self, x_BxTxH, mixed_BxTxH):
+        """Mixer residual, then the MLP residual."""
+        x_BxTxH = x_BxTxH + mixed_BxTxH.astype(x_BxTxH.dtype)
+        return x_BxTxH + self.mlp(self.post_attn_norm(x_BxTxH)).astype(x_BxTxH.dtype)
 
 
 class Transformer(nnx.Module):
@@ -112,11 +198,13 @@ class Transformer(nnx.Module):
         )
         self.layers = nnx.List(
             [
-                DecoderLayer(cfg, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
-                for _ in range(cfg.num_layers)
+                DecoderLayer(cfg, index, rngs=rngs, param_dtype=param_dtype, dtype=dtype)
+                for index in range(cfg.num_layers)
             ]
         )
-        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.final_norm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype, unit_offset=cfg.norm_unit_offset
+        )
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -146,9 +234,10 @@ class Transformer(nnx.Module):
         self,
         tokens_BxT: jax.Array,
         *,
-        cache: KVCache | None = None,
+        cache: DecodeCache | None = None,
         valid_BxT: jax.Array | None = None,
         aux_layer_ids: tuple[int, ...] = (),
+        keep_steps: bool = False,
     ) -> TargetOutput:
         """Runs the model on `tokens_BxT`.
 
@@ -156,7 +245,9 @@ class Transformer(nnx.Module):
         (optional) marks real tokens so right padding never leaks into real positions and
         left padding is masked. With `cache`: the tokens are appended at each row's
         `cache.end_B` (positions continue from there) and the updated cache is returned
-        with `end_B` advanced by `T`.
+        with `end_B` advanced by `T`; `valid_BxT` then marks each row's real tokens (a contiguous run:
+        a right-padded prompt), so that the linear layers' states stop after them. `keep_steps` (with
+        `cache`) also returns every linear layer's state after each new token, for `keep_prefix`.
         """
         for layer_id in aux_layer_ids:
             self.cfg.layer_index(layer_id)
@@ -177,17 +268,37 @@ class Transformer(nnx.Module):
         )
         if cache is None and valid_BxT is not None:
             visible_BxTxT = visible_BxTxT & valid_BxT[:, None, :].astype(bool)
+        # The linear layers read only real tokens: past each row's start, and within `valid_BxT`.
+        real_BxT = slots_BxT >= start_B[:, None]
+        if valid_BxT is not None:
+            real_BxT = real_BxT & valid_BxT.astype(bool)
 
         x_BxTxH = self.embed(tokens_BxT)
         aux = {-1: x_BxTxH}
-        ks, vs = [], []
+        ks, vs, linear, steps = [], [], [], []
+        inv_freq = self.inv_freq.get_value()
         for index, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k_BxTxGxD[index], cache.v_BxTxGxD[index], slots_BxT)
-            x_BxTxH, k, v = layer(x_BxTxH, positions_BxT, self.inv_freq.get_value(), visible_BxTxT, kv)
-            ks.append(k)
-            vs.append(v)
+            h_BxTxH = layer.input_norm(x_BxTxH)
+            if layer.attn is not None:
+                a = len(ks)
+                kv = None if cache is None else (cache.k_BxTxGxD[a], cache.v_BxTxGxD[a], slots_BxT)
+                mixed_BxTxH, k, v = layer.attend(h_BxTxH, positions_BxT, inv_freq, visible_BxTxT, kv)
+                ks.append(k)
+                vs.append(v)
+            else:
+                state = None if cache is None else cache.linear[len(linear)]
+                stepwise = keep_steps and cache is not None
+                mixed_BxTxH, new_state = layer.linear_attn(
+                    h_BxTxH, real_BxT, state=state, all_states=stepwise
+                )
+                linear.append(state if stepwise else new_state)  # stepwise: `keep_prefix` picks the state
+                if stepwise:
+                    steps.append(new_state)
+            x_BxTxH = layer.finish(x_BxTxH, mixed_BxTxH)
             aux[index] = x_BxTxH
         hidden_BxTxH = self.final_norm(x_BxTxH)
         aux_BxTxAxH = jnp.stack([aux[i] for i in aux_layer_ids], axis=2) if aux_layer_ids else None
-        new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs), cache.start_B, cache.end_B + t)
-        return TargetOutput(hidden_BxTxH, aux_BxTxAxH, new_cache)
+        new_cache = None
+        if cache is not None:
+            new_cache = DecodeCache(tuple(ks), tuple(vs), tuple(linear), cache.start_B, cache.end_B + t)
+        return TargetOutput(hidden_BxTxH, aux_BxTxAxH, new_cache, tuple(steps))

@@ -8,7 +8,7 @@ import transformers
 
 from dspark_jax.target.checkpoint import load_checkpoint, save_hf_checkpoint
 from dspark_jax.target.load import model_from_checkpoint
-from dspark_jax.target.model import KVCache
+from dspark_jax.target.model import DecodeCache
 
 VOCAB = 101
 COMMON = dict(
@@ -82,7 +82,7 @@ def test_kv_cache_decode_matches_full_forward(kind, tmp_path, mesh1):
     _, model = _random_pair(kind, tmp_path, mesh1)
     ids = jnp.asarray(np.random.RandomState(2).randint(0, VOCAB, (3, 20)))
     full = model.logits(model(ids).hidden_BxTxH)
-    cache = KVCache.zeros(model.cfg, 3, 32, jnp.float32)
+    cache = DecodeCache.zeros(model.cfg, 3, 32, jnp.float32)
     out = model(ids[:, :9], cache=cache)
     pieces = [out.hidden_BxTxH]
     cache = out.cache

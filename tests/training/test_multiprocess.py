@@ -16,7 +16,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.training.test_loop import ROOT, SETTINGS, assert_resumed, logged_metrics, saved_steps, train_command
+from tests.training.test_loop import (
+    ROOT,
+    SETTINGS,
+    assert_resumed,
+    logged_metrics,
+    saved_steps,
+    train_command,
+)
 
 pytestmark = pytest.mark.slow
 

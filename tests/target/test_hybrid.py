@@ -1,0 +1,219 @@
+"""Sparse and hybrid targets (Qwen3-MoE, Qwen3-Next, Qwen 3.5, Qwen 3.5-MoE) against `transformers` on tiny
+random checkpoints: logits, every aux layer, greedy generation, and the decoding cache's three ways through
+a sequence (whole, token by token, speculative blocks rolled back to a prefix) equal to each other."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.target.checkpoint import load_checkpoint
+from dspark_jax.target.generate import Generator
+from dspark_jax.target.load import model_from_checkpoint
+from dspark_jax.target.model import DecodeCache, keep_prefix
+from tests.references import reference
+
+torch = reference("torch")
+transformers = reference("transformers")
+
+VOCAB = 101
+LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+ATTENTION = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+LINEAR = dict(
+    layer_types=LAYERS,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+
+
+def _qwen3_5(**text):
+    """Qwen 3.5 as published: the multimodal wrapper (text under `model.language_model.`, a vision tower)."""
+    return transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=VISION, tie_word_embeddings=False)
+    )
+
+
+def _qwen3_5_moe(**text):
+    return transformers.Qwen3_5MoeForConditionalGeneration(
+        transformers.Qwen3_5MoeConfig(text_config=text, vision_config=VISION, tie_word_embeddings=False)
+    )
+
+
+FAMILIES = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            **ATTENTION,
+            **EXPERTS,
+            intermediate_size=48,
+            decoder_sparse_step=2,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    ),
+    "qwen3_next": lambda: transformers.Qwen3NextForCausalLM(
+        transformers.Qwen3NextConfig(
+            **ATTENTION,
+            **LINEAR,
+            **EXPERTS,
+            intermediate_size=48,
+            shared_expert_intermediate_size=24,
+            mlp_only_layers=[1],
+        )
+    ),
+    "qwen3_5": lambda: _qwen3_5(**ATTENTION, **LINEAR, intermediate_size=48),
+    "qwen3_5_moe": lambda: _qwen3_5_moe(**ATTENTION, **LINEAR, **EXPERTS, shared_expert_intermediate_size=24),
+}
+
+
+@functools.cache
+def _pair(family):
+    """A random transformers model (every parameter drawn, so norms, gates and decays are all non-trivial)
+    and our model loaded from its saved checkpoint."""
+    import tempfile
+
+    torch.manual_seed(0)
+    hf = FAMILIES[family]().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.3 if name.endswith(("A_log", "dt_bias")) else 0.1)
+    directory = tempfile.mkdtemp(prefix=f"hybrid-{family}-")
+    hf.save_pretrained(directory)
+    return hf, model_from_checkpoint(load_checkpoint(directory))
+
+
+def _text_model(hf):
+    return hf.model.language_model if hasattr(hf.model, "language_model") else hf.model
+
+
+def _hf_forward(hf, ids, mask):
+    """Logits, per-layer outputs (pre-final-norm) and the final state of the transformers model, positions
+    counted from each row's first real token."""
+    captured = []
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
+        for layer in _text_model(hf).layers
+    ]
+    positions = np.clip(np.cumsum(mask, 1) - 1, 0, None)
+    with torch.no_grad():
+        out = hf(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions),
+            output_hidden_states=True,
+        )
+    for hook in hooks:
+        hook.remove()
+    return out.logits.float().numpy(), [c.numpy() for c in captured]
+
+
+def _batch(t=40, pads=(0, 7)):
+    ids = np.random.RandomState(1).randint(3, VOCAB, (len(pads), t))
+    mask = np.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_every_layer_match_transformers_with_left_padding(family):
+    hf, model = _pair(family)
+    assert model.cfg.family == family
+    ids, mask = _batch()
+    ref_logits, ref_layers = _hf_forward(hf, ids, mask)
+    out = model(jnp.asarray(ids), valid_BxT=jnp.asarray(mask), aux_layer_ids=(-1, 0, 1, 2, 3))
+    real = mask.astype(bool)
+    logits = np.asarray(model.logits(out.hidden_BxTxH))
+    np.testing.assert_allclose(
+        logits[real], ref_logits[real], rtol=1e-4, atol=1e-4 * np.abs(ref_logits).max()
+    )
+    aux = np.asarray(out.aux_BxTxAxH)
+    for k, layer in enumerate(ref_layers):
+        np.testing.assert_allclose(
+            aux[:, :, k + 1][real], layer[real], rtol=1e-4, atol=1e-5, err_msg=f"layer {k}"
+        )
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_moe"])
+def test_greedy_generation_matches_transformers(family):
+    hf, model = _pair(family)
+    prompts = [[5, 9, 11, 40, 7], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
+    ours = Generator(model, eos_ids=[VOCAB + 1], pad_id=0, batch_size=2).generate(prompts, max_new_tokens=32)
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        assert got == ref[0, len(prompt) :].tolist()
+
+
+@functools.cache
+def _decode_fns(family):
+    _, model = _pair(family)
+    step = jax.jit(lambda tokens, cache: model(tokens, cache=cache))
+    verify = jax.jit(lambda tokens, cache: model(tokens, cache=cache, keep_steps=True))
+    return model, step, verify
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_token_by_token_decoding_equals_the_whole_sequence_past_one_chunk(family):
+    """The recurrent form (one token at a time from the cache) equals the chunked whole-sequence form on
+    a sequence longer than one chunk (64), with a left-padded row."""
+    model, step, _ = _decode_fns(family)
+    t, pads = 80, (0, 5)
+    ids, mask = _batch(t, pads)
+    whole = np.asarray(model(jnp.asarray(ids), valid_BxT=jnp.asarray(mask)).hidden_BxTxH)
+    cache = DecodeCache.zeros(model.cfg, 2, t, jnp.float32)._replace(start_B=jnp.asarray(pads, jnp.int32))
+    prefix = 70  # a chunked prefill, then the recurrent form
+    out = model(jnp.asarray(ids[:, :prefix]), cache=cache, valid_BxT=jnp.asarray(mask[:, :prefix]))
+    got, cache = [np.asarray(out.hidden_BxTxH)], out.cache
+    for i in range(prefix, t):
+        out = step(jnp.asarray(ids[:, i : i + 1]), cache)
+        got.append(np.asarray(out.hidden_BxTxH))
+        cache = out.cache
+    got = np.concatenate(got, 1)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], whole[real], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_blocks_rolled_back_to_each_rows_prefix_equal_appending_only_that_prefix(family):
+    """Speculative verification: a block of 8 appended with `keep_steps`, then kept to a different prefix
+    per row (every length 0..8: a rejection at every position of the block), leaves the cache of appending
+    only those tokens; the next tokens then decode as from that cache."""
+    model, step, verify = _decode_fns(family)
+    keep = np.arange(9)
+    pads = tuple(int(p) for p in keep % 4)
+    ids, mask = _batch(30, pads)
+    cache = DecodeCache.zeros(model.cfg, len(keep), 64, jnp.float32)
+    cache = cache._replace(start_B=jnp.asarray(pads, jnp.int32))
+    cache = model(jnp.asarray(ids[:, :20]), cache=cache, valid_BxT=jnp.asarray(mask[:, :20])).cache
+    block = jnp.asarray(ids[:, 20:28])
+    out = verify(block, cache)
+    kept = keep_prefix(cache, out.cache, out.steps, cache.end_B + keep)
+    nxt = jnp.asarray(ids[:, 28:30])
+    got = np.asarray(step(nxt, kept).hidden_BxTxH)
+    for row, n in enumerate(keep):
+        single = jax.tree.map(lambda x, r=row: x[r : r + 1], cache)
+        if n:
+            single = step(block[row : row + 1, :n], single).cache
+        want = np.asarray(step(nxt[row : row + 1], single).hidden_BxTxH)
+        np.testing.assert_allclose(
+            got[row : row + 1], want, rtol=1e-4, atol=1e-5, err_msg=f"row {row} kept {n}"
+        )

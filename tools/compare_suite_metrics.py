@@ -18,7 +18,11 @@ def rows(path: Path) -> list[dict]:
 
 def main(old: Path, new: Path) -> int:
     total = differ = 0
-    groups = [p.name for p in old.iterdir() if (p / "metrics.jsonl").exists() and (new / p.name / "metrics.jsonl").exists()]
+    groups = [
+        p.name
+        for p in old.iterdir()
+        if (p / "metrics.jsonl").exists() and (new / p.name / "metrics.jsonl").exists()
+    ]
     for group in sorted(groups):
         a, b = rows(old / group / "metrics.jsonl"), rows(new / group / "metrics.jsonl")
         if len(a) != len(b):

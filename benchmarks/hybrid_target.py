@@ -2,12 +2,12 @@
 
   python benchmarks/hybrid_target.py [--rows=4] [--context=256] [--repeats=5] [--quick]
 
-One table per comparison, each row the median of `--repeats` jitted calls after a warm-up:
+One table, each row the median of `--repeats` jitted calls after a warm-up:
   verify   the verify cycle's target work for `rows x 8` tokens appended to a cache of `--context` tokens:
            a dense target (every layer full attention + SwiGLU) against a hybrid one of the same widths
            (linear + full attention, sparse MLPs), the hybrid with the per-token state selection
            (`keep_steps` + `keep_prefix`) and without (a plain append, which could not roll back).
-  moe      the sparse MLP's forward (sorted tokens, `ragged_dot`) against its dense all-experts reference.
+(The sparse MLP alone against its all-experts reference: `benchmarks/moe_forward.py`.)
 Random weights; shapes only matter. Runs on whatever device JAX finds (the CPU here).
 """
 
@@ -24,7 +24,6 @@ from flax import nnx
 
 from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.model import DecodeCache, Transformer, keep_prefix
-from dspark_jax.target.moe import SparseMoE, dense_reference
 
 DENSE = TargetConfig(
     family="qwen3",
@@ -109,14 +108,6 @@ def main():
         ("hybrid MoE target, state selection", selected),
     ):
         print(f"{name:<40} {seconds * 1e3:9.2f} {seconds / dense:8.2f}")
-    moe = SparseMoE(512, 32, 4, 256, norm_topk_prob=True, shared_intermediate=256, rngs=nnx.Rngs(1))
-    sparse_fn, dense_fn = jax.jit(lambda x: moe(x)), jax.jit(lambda x: dense_reference(moe, x))
-    print(f"\n{'MoE forward (32 experts, top 4)':<40} {'sparse ms':>9} {'dense ms':>9} {'ratio':>6}")
-    for tokens in (8, 64) if args.quick else (8, 64, 512):
-        x = jax.random.normal(jax.random.key(tokens), (1, tokens, 512))
-        sparse = median_seconds(lambda x=x: sparse_fn(x), args.repeats)
-        full = median_seconds(lambda x=x: dense_fn(x), args.repeats)
-        print(f"{f'{tokens} tokens':<40} {sparse * 1e3:9.2f} {full * 1e3:9.2f} {sparse / full:6.2f}")
 
 
 if __name__ == "__main__":

@@ -277,7 +277,8 @@ def test_greedy_speculation_on_a_hybrid_moe_target_equals_its_greedy(
     hybrid_parts, mesh1, group, batch_size, schedule
 ):
     """Gated DeltaNet layers have no KV pointer to lower: the verifier keeps each row's states after
-    exactly its accepted prefix (rows of one batch accept different lengths, every length occurs)."""
+    exactly its accepted prefix (rows of one batch accept different lengths in the same cycle; the
+    rollback test's hybrid case forces a rejection at every position of the block)."""
     _assert_greedy_lossless(hybrid_parts, mesh1, group, batch_size, schedule, check_widths=False)
 
 
@@ -407,14 +408,27 @@ def _forced(tokens_BxS):
     return engine.Proposer(lambda draft, frozen, state: (), select)
 
 
-@pytest.mark.slow
-def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
-    """Three rows accept different numbers of forced drafts in the same cycles (3, 0, 7 in turn, shifted
-    by row); after every cycle each row's target and draft caches equal a fresh prefill of what it has
-    processed."""
-    target, draft, frozen = parts
+def _assert_close_rows(got, want, row, end, what):
+    """Row `row` of each cache buffer in `got` equals row 0 of `want`'s (first `end` slots when given)."""
+    for k, (g, w) in enumerate(zip(got, want)):
+        g, w = np.asarray(g[row]), np.asarray(w[0])
+        if end is not None:
+            g, w = g[:end], w[:end]
+        np.testing.assert_allclose(
+            g, w, rtol=1e-4, atol=1e-4 * max(1.0, np.abs(w).max()), err_msg=f"{what} {k}"
+        )
+
+
+@pytest.mark.parametrize("kind", [pytest.param("dense", marks=pytest.mark.slow), "hybrid"])
+def test_rollback_leaves_caches_equal_to_a_fresh_prefill(request, mesh1, kind):
+    """Three rows accept different numbers of forced drafts in the same cycles, every number 0..7 once
+    over three cycles (a rejection at every position of the block); after every cycle each row's target
+    caches (KV of the attention layers, conv windows and recurrent states of the Gated DeltaNet layers)
+    and draft caches equal a fresh prefill of what it has processed."""
+    target, draft, frozen = request.getfixturevalue({"dense": "parts", "hybrid": "hybrid_parts"}[kind])
     prompts = [[5, 9, 11, 7], [20, 21, 22, 23, 24, 25], [1, 2]]
-    plan_CxB = [(3, 7, 0), (0, 3, 7), (7, 0, 3)]  # accepted drafts of each row in each cycle
+    plan_CxB = [(0, 3, 6), (7, 1, 4), (2, 5, 0)]  # accepted drafts of each row in each cycle
+    assert sorted(n for plan in plan_CxB for n in plan) == [0, 0, 1, 2, 3, 4, 5, 6, 7]
     b, width = len(prompts), 8
     settings = engine.SpecSettings(64, SamplingParams(), (EOS,), AUX)
     state = engine.prefill(
@@ -442,25 +456,25 @@ def test_rollback_leaves_caches_equal_to_a_fresh_prefill(parts, mesh1):
                 drafts[accepted] = (drafts[accepted] + 1) % V
             drafts_BxS.append(drafts)
         state = engine.cycle(target, draft, frozen, state, settings, _forced(jnp.asarray(drafts_BxS)))
+        cache = state.target_cache
         for row, accepted in enumerate(plan_B):
             count = int(state.count_B[row])
             emitted[row] = [int(t) for t in state.out_BxO[row, :count]]
             assert count == done_B[row] + accepted + 1 and emitted[row] == greedy[row][:count]
             # Fresh prefill of everything the row's target processed: prompt + all emitted but the pending.
             processed = [*prompts[row], *emitted[row][:-1]]
-            end = int(state.target_cache.end_B[row])
+            end = int(cache.end_B[row])
             assert end == len(processed)
             fresh_cache = DecodeCache.zeros(target.cfg, 1, 64, target.dtype)
             fresh = target(jnp.asarray([processed]), cache=fresh_cache, aux_layer_ids=AUX)
-            for got, want in zip(
-                state.target_cache.k_BxTxGxD + state.target_cache.v_BxTxGxD,
-                fresh.cache.k_BxTxGxD + fresh.cache.v_BxTxGxD,
-            ):
-                np.testing.assert_allclose(np.asarray(got[row, :end]), np.asarray(want[0, :end]), atol=1e-5)
+            _assert_close_rows(cache.k_BxTxGxD, fresh.cache.k_BxTxGxD, row, end, "keys of attention layer")
+            _assert_close_rows(cache.v_BxTxGxD, fresh.cache.v_BxTxGxD, row, end, "values of attention layer")
+            for k, (got, want) in enumerate(zip(cache.linear, fresh.cache.linear)):
+                _assert_close_rows(got, want, row, None, f"linear layer {k}: state")
+            assert len(cache.linear) == (2 if kind == "hybrid" else 0)
             fresh_kv = draft.context_kv(draft.context(fresh.aux_BxTxAxH))
-            for (k, v), got_k, got_v in zip(fresh_kv, state.draft_k, state.draft_v):
-                np.testing.assert_allclose(np.asarray(got_k[row, :end]), np.asarray(k[0]), atol=1e-5)
-                np.testing.assert_allclose(np.asarray(got_v[row, :end]), np.asarray(v[0]), atol=1e-5)
+            _assert_close_rows(state.draft_k, [k for k, _ in fresh_kv], row, end, "draft keys of layer")
+            _assert_close_rows(state.draft_v, [v for _, v in fresh_kv], row, end, "draft values of layer")
 
 
 # The joint test: a three-token vocabulary, blocks of 4 proposals, an EOS id the target never samples.
@@ -474,6 +488,11 @@ N3 = S3 + 2  # the prefill's token and every token the first cycle can emit: 3 *
 @pytest.fixture(scope="module")
 def parts3(mesh1):
     return _parts(TARGET3, DRAFT3, mesh1)
+
+
+@pytest.fixture(scope="module")
+def hybrid_parts3(mesh1):
+    return _parts(dataclasses.replace(HYBRID_TARGET, vocab_size=V3, eos_token_ids=(V3,)), DRAFT3, mesh1)
 
 
 def _target_joint(target, prompt, n):
@@ -523,6 +542,24 @@ def test_sampling_is_lossless_jointly_over_a_whole_cycle(parts3, mesh1, group, s
     assert all(hist[str(n)] >= 100 for n in range(1, S3 + 2)), hist  # every accepted length is sampled
     if schedule == "confidence":
         assert 0 < report["mean_verified_length"] < S3
+
+
+@pytest.mark.parametrize(
+    "group, schedule",
+    _slow_except(
+        [("baseline", "fixed"), ("baseline", "confidence"), ("memory_with_memory", "fixed")],
+        [("baseline", "fixed")],
+    ),
+    ids=lambda x: str(x),
+)
+def test_sampling_on_a_hybrid_moe_target_is_lossless_jointly(hybrid_parts3, mesh1, group, schedule):
+    """The joint test on a Qwen3-Next-shaped target: each row's linear-attention states are kept after its
+    own accepted prefix, whatever was sampled (every accepted length occurs)."""
+    p_value, report = _joint_sampling_pvalue(hybrid_parts3, mesh1, group, schedule)
+    hist = report["accepted_length_histogram"]
+    print(f"hybrid {group}/{schedule}: joint p={p_value:.4f}, accepted lengths {hist}")
+    assert p_value > 1e-3
+    assert all(hist[str(n)] >= 100 for n in range(1, S3 + 2)), hist
 
 
 def test_the_joint_sampling_test_rejects_an_acceptance_rule_biased_at_position_3(parts3, mesh1, monkeypatch):

@@ -80,6 +80,8 @@ FAMILIES = {
     "qwen3_5_moe": lambda: _qwen3_5_moe(**ATTENTION, **LINEAR, **EXPERTS, shared_expert_intermediate_size=24),
 }
 
+LINEAR_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]  # those with Gated DeltaNet layers
+
 
 @functools.cache
 def _pair(family):
@@ -150,7 +152,7 @@ def test_logits_and_every_layer_match_transformers_with_left_padding(family):
         )
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_moe"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_generation_matches_transformers(family):
     hf, model = _pair(family)
     prompts = [[5, 9, 11, 40, 7], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
@@ -171,7 +173,7 @@ def _decode_fns(family):
     return model, step, verify
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
 def test_token_by_token_decoding_equals_the_whole_sequence_past_one_chunk(family):
     """The recurrent form (one token at a time from the cache) equals the chunked whole-sequence form on
     a sequence longer than one chunk (64), with a left-padded row."""
@@ -192,7 +194,7 @@ def test_token_by_token_decoding_equals_the_whole_sequence_past_one_chunk(family
     np.testing.assert_allclose(got[real], whole[real], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
 def test_blocks_rolled_back_to_each_rows_prefix_equal_appending_only_that_prefix(family):
     """Speculative verification: a block of 8 appended with `keep_steps`, then kept to a different prefix
     per row (every length 0..8: a rejection at every position of the block), leaves the cache of appending

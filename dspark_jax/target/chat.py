@@ -89,13 +89,22 @@ class ChatTemplate:
 
         return cls(tokenizer.chat_template, token(tokenizer.bos_id), token(tokenizer.eos_id))
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False, **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = False,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """The conversation as text. `add_generation_prompt` appends the assistant header to generate after;
-        `kwargs` are extra template variables (e.g. `enable_thinking=False`)."""
+        `tools` (JSON schemas) and `documents` reach the template as in transformers; `kwargs` are extra
+        template variables (e.g. `enable_thinking=False`)."""
         return self._template.render(
             messages=_template_messages(messages),
-            tools=None,
-            documents=None,
+            tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
             **{"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs},
         )
@@ -111,15 +120,30 @@ def _validate(messages: Sequence[Message]) -> None:
             raise ValueError(f"message {i} needs a string 'role' and a string 'content': {message!r}")
 
 
+def _prompt_end(template: ChatTemplate, head: Sequence[Message], text: str) -> int:
+    """Length of `head` rendered with a generation prompt, else without one, where that is a prefix of
+    `text`; 0 when neither is (or the template refuses `head`)."""
+    for generation_prompt in (True, False):
+        try:
+            prompt = template.render(head, add_generation_prompt=generation_prompt)
+        except jinja2.TemplateError:
+            continue
+        if text.startswith(prompt):
+            return len(prompt)
+    return 0
+
+
 def _assistant_spans(
     tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[Message], text: str
 ) -> list[tuple[int, int]]:
     """`[start, end)` character spans in `text` (the rendered conversation) of each assistant message's
     content plus the special token immediately after it.
 
-    Each content is searched from the end of the rendered prompt before it (the conversation up to that
-    message with a generation prompt, when it is a prefix of `text`), so a user turn repeating the answer
-    is never mistaken for it. A template that trims the content is handled; one that rewrites it raises.
+    Each content is searched from the end of the rendered prompt before it: the conversation up to that
+    message with a generation prompt when that is a prefix of `text`, else without one (a template whose
+    generation prompt opens a `<think>` block that earlier turns do not keep), so a user turn repeating the
+    answer is never mistaken for it. A template that trims the content is handled; one that rewrites it
+    raises.
     """
     specials = sorted((tokenizer.id_to_token(i) for i in tokenizer.special_ids), key=len, reverse=True)
     spans: list[tuple[int, int]] = []
@@ -128,12 +152,7 @@ def _assistant_spans(
         if message["role"] != "assistant":
             continue
         if i > 0:
-            try:
-                prompt = template.render(messages[:i], add_generation_prompt=True)
-            except jinja2.TemplateError:
-                prompt = ""
-            if text.startswith(prompt):
-                cursor = max(cursor, len(prompt))
+            cursor = max(cursor, _prompt_end(template, messages[:i], text))
         content = message["content"]
         start = text.find(content, cursor)
         if start < 0:

@@ -3,6 +3,7 @@ random checkpoints: logits, every aux layer, greedy generation, and the decoding
 a sequence (whole, token by token, speculative blocks rolled back to a prefix) equal to each other."""
 
 import functools
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -13,115 +14,18 @@ from dspark_jax.target.checkpoint import load_checkpoint
 from dspark_jax.target.generate import Generator
 from dspark_jax.target.load import model_from_checkpoint
 from dspark_jax.target.model import DecodeCache, keep_prefix
-from tests.references import reference
-
-torch = reference("torch")
-transformers = reference("transformers")
+from tests.target import hf_hybrid
+from tests.target.hf_hybrid import FAMILIES, LINEAR_FAMILIES, torch
 
 VOCAB = 101
-LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
-ATTENTION = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-)
-LINEAR = dict(
-    layer_types=LAYERS,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-)
-EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
-VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
-
-
-def _qwen3_5(**text):
-    """Qwen 3.5 as published: the multimodal wrapper (text under `model.language_model.`, a vision tower)."""
-    return transformers.Qwen3_5ForConditionalGeneration(
-        transformers.Qwen3_5Config(text_config=text, vision_config=VISION, tie_word_embeddings=False)
-    )
-
-
-def _qwen3_5_moe(**text):
-    return transformers.Qwen3_5MoeForConditionalGeneration(
-        transformers.Qwen3_5MoeConfig(text_config=text, vision_config=VISION, tie_word_embeddings=False)
-    )
-
-
-FAMILIES = {
-    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
-        transformers.Qwen3MoeConfig(
-            **ATTENTION,
-            **EXPERTS,
-            intermediate_size=48,
-            decoder_sparse_step=2,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-        )
-    ),
-    "qwen3_next": lambda: transformers.Qwen3NextForCausalLM(
-        transformers.Qwen3NextConfig(
-            **ATTENTION,
-            **LINEAR,
-            **EXPERTS,
-            intermediate_size=48,
-            shared_expert_intermediate_size=24,
-            mlp_only_layers=[1],
-        )
-    ),
-    "qwen3_5": lambda: _qwen3_5(**ATTENTION, **LINEAR, intermediate_size=48),
-    "qwen3_5_moe": lambda: _qwen3_5_moe(**ATTENTION, **LINEAR, **EXPERTS, shared_expert_intermediate_size=24),
-}
-
-LINEAR_FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]  # those with Gated DeltaNet layers
 
 
 @functools.cache
 def _pair(family):
-    """A random transformers model (every parameter drawn, so norms, gates and decays are all non-trivial)
-    and our model loaded from its saved checkpoint."""
-    import tempfile
-
-    torch.manual_seed(0)
-    hf = FAMILIES[family]().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(0, 0.3 if name.endswith(("A_log", "dt_bias")) else 0.1)
+    """A random transformers model and our model loaded from its saved checkpoint."""
     directory = tempfile.mkdtemp(prefix=f"hybrid-{family}-")
-    hf.save_pretrained(directory)
+    hf = hf_hybrid.save_random(family, directory, VOCAB)
     return hf, model_from_checkpoint(load_checkpoint(directory))
-
-
-def _text_model(hf):
-    return hf.model.language_model if hasattr(hf.model, "language_model") else hf.model
-
-
-def _hf_forward(hf, ids, mask):
-    """Logits, per-layer outputs (pre-final-norm) and the final state of the transformers model, positions
-    counted from each row's first real token."""
-    captured = []
-    hooks = [
-        layer.register_forward_hook(lambda m, i, o: captured.append(o[0] if isinstance(o, tuple) else o))
-        for layer in _text_model(hf).layers
-    ]
-    positions = np.clip(np.cumsum(mask, 1) - 1, 0, None)
-    with torch.no_grad():
-        out = hf(
-            input_ids=torch.tensor(ids),
-            attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(positions),
-            output_hidden_states=True,
-        )
-    for hook in hooks:
-        hook.remove()
-    return out.logits.float().numpy(), [c.numpy() for c in captured]
 
 
 def _batch(t=40, pads=(0, 7)):
@@ -138,7 +42,7 @@ def test_logits_and_every_layer_match_transformers_with_left_padding(family):
     hf, model = _pair(family)
     assert model.cfg.family == family
     ids, mask = _batch()
-    ref_logits, ref_layers = _hf_forward(hf, ids, mask)
+    ref_logits, ref_layers, _ = hf_hybrid.forward(hf, ids, mask)
     out = model(jnp.asarray(ids), valid_BxT=jnp.asarray(mask), aux_layer_ids=(-1, 0, 1, 2, 3))
     real = mask.astype(bool)
     logits = np.asarray(model.logits(out.hidden_BxTxH))

@@ -6,6 +6,8 @@
 
 With several configs (comma-separated) each row also shows its step time relative to the first
 config's at the same preset (e.g. Draft Memory's two-stage step next to the baseline's).
+`time_step(..., features="online")` runs a random target of the preset's shape inside the step
+(`data.features=online`; `benchmarks/online_training.py` prints both).
 
 Step timing uses synthetic batches with each preset's exact shapes (values do not change
 the work), so no cache is needed; `paper` uses the seed's target shape without its weights.
@@ -28,7 +30,9 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,10 +44,11 @@ from dspark_jax.data.pipeline import to_global
 from dspark_jax.draft.model import DraftConfig, FrozenTarget
 from dspark_jax.groups.engram import prepare as engram_prepare
 from dspark_jax.groups.engram.group import TABLE
-from dspark_jax.run import draft_state
+from dspark_jax.run import draft_state, online
 from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.target import TargetConfig
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
+from dspark_jax.target.model import Transformer
 from dspark_jax.training import step as step_lib
 
 
@@ -89,10 +94,25 @@ def model_flops(cfg: DraftConfig, positions_BxT: np.ndarray, anchors_BxN: np.nda
     return 6.0 * (slots * per_slot_weights + b * t * per_context_weights) + 6.0 * slots * h * v + attention
 
 
+def online_frozen(config, target: TargetConfig, frozen: FrozenTarget, mesh) -> tuple[FrozenTarget, object]:
+    """`frozen` with a random target of shape `target` (placed by the run's rules) and the online step's
+    feature pass (`run.online`): the step's work does not depend on the weights' values."""
+    model = Transformer(
+        target,
+        rngs=nnx.Rngs(0),
+        param_dtype=jnp.dtype(config.target.param_dtype),
+        dtype=jnp.dtype(config.target.dtype),
+    )
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, sharding.state_shardings(state, mesh, sharding.rules_of(config)))
+    return frozen._replace(target_state=state), online.online_features(config, nnx.merge(graphdef, state))
+
+
 def time_step(
-    config_module, preset: str, steps: int, overrides: str = "", shape_only: bool = False
+    config_module, preset: str, steps: int, overrides: str = "", shape_only: bool = False, features="offline"
 ) -> dict[str, float]:
     config = apply_overrides(config_module.get_config(preset), overrides)
+    config.data.features = features
     experiment = groups.get(config.experiment)
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     target = preset_target(config, shape_only)
@@ -118,7 +138,14 @@ def time_step(
         micro_rows, batch_lib.Dims.of(config, target.hidden_size), target.vocab_size
     )
     batch = to_global(batch_lib.device_fields(host_batch), mesh)
-    micro = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=experiment))
+    online_features = None
+    if features == "online":
+        frozen, online_features = online_frozen(config, target, frozen, mesh)
+    micro = jax.jit(
+        functools.partial(
+            step_lib.micro_step, graphdef=graphdef, experiment=experiment, features=online_features
+        )
+    )
     update = jax.jit(
         functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=experiment),
         donate_argnums=(0, 1),

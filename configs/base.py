@@ -2,10 +2,10 @@
 
 Experiment configs (`configs/baseline.py`, ...) call `get_config(preset)` and add their own
 keys. Presets:
-  paper  the seed: Qwen3.8-Flash-Next target (set `target.path` and `data.cache_dir`), draft
-         hidden 2560, 24/2 heads x 256, FFN 9728, aux layers 45-47, 4096 tokens, 512 anchors,
-         global batch 512 = 4 devices x micro-batch 4 x accumulation 32, 26,040-step schedule
-         stopping at 2,604, checkpoint every 651, bf16 compute, seed 42.
+  paper  the seed: Qwen3.8-Flash-Next target (a hybrid Gated-DeltaNet MoE of depth 48, `PAPER_TARGET`; set
+         `target.path` and `data.cache_dir`), draft hidden 2560, 24/2 heads x 256, FFN 9728, aux layers
+         45-47, 4096 tokens, 512 anchors, global batch 512 = 4 devices x micro-batch 4 x accumulation
+         32, 26,040-step schedule stopping at 2,604, checkpoint every 651, bf16 compute, seed 42.
   demo   the embedded default target SmolLM2-135M-Instruct with a ShareGPT demo cache, CPU, minutes.
   accel  the same target and draft on one accelerator (one GPU or one TPU host): 4,000 regenerated
          ShareGPT conversations, packed rows of 2,048 tokens, 2,000 steps; sized for about 15
@@ -53,6 +53,12 @@ Keys:
   data.regen_batch_size     rows per regeneration program.
   data.regen_max_turns      user turns kept per conversation (later turns are dropped).
   data.worker_count         grain worker processes preparing training batches (0 = in process).
+  data.features             'offline': the draft reads the target's states from the cache; 'online': the
+                            cache holds token rows only and every micro-step runs the frozen target
+                            over its batch (no states written; `dspark_jax.training.online`).
+  data.online_dtype         online only: the dtype the target's states are rounded to before the draft
+                            reads them; 'bfloat16' (the cache's storage dtype: online = offline) or
+                            'float32' (full precision).
   draft.num_layers          draft decoder layers (3).
   draft.num_heads/num_kv_heads/head_dim/intermediate_size   draft layer shape (hidden = target's).
   draft.block_size          slots per block: anchor + 6 MASK (7).
@@ -111,22 +117,42 @@ DEMO_TARGET = dict(
 SMOKE_TARGET = dict(
     DEMO_TARGET, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16
 )
-# The seed's target as far as the draft needs it (AOT memory checks without weights).
+# The seed's target, a hybrid "Next" MoE model with hidden size 2560 and aux layers 45-47 (no public
+# config): Qwen3-Next-80B-A3B's config (`transformers`' `Qwen3NextConfig` defaults, which are that model's,
+# with its rope_theta 1e7, intermediate_size 5120 and 256k positions) at the seed's hidden size. 48 layers,
+# every 4th full attention (16 query / 2 KV heads x 256, sigmoid output gate, RoPE on the first quarter of
+# each head), the others Gated DeltaNet (16 key / 32 value heads x 128, 4 conv taps); every MLP routes to
+# 10 of 512 experts of width 512 plus a gated shared expert of 512. About 100B parameters (96.6B in the
+# experts), 200 GB in bf16. The AOT checks (`check_memory`) and the draft's shape read it; a run with
+# `target.path` reads the checkpoint's own config.
 PAPER_TARGET = dict(
-    family="qwen3",
+    family="qwen3_next",
     vocab_size=151936,
     hidden_size=2560,
-    intermediate_size=9728,
+    intermediate_size=5120,
     num_layers=48,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rope_theta=1000000.0,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    rope_theta=10000000.0,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
     qk_norm=True,
-    max_position_embeddings=40960,
+    max_position_embeddings=262144,
     eos_token_ids=(151645,),
+    layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * 12,
+    attn_output_gate=True,
+    partial_rotary_factor=0.25,
+    norm_unit_offset=True,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    num_experts=512,
+    num_experts_per_tok=10,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
 )
 PRESETS = ("paper", "demo", "accel", "smoke")
 
@@ -189,6 +215,8 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.data.regen_batch_size = {"paper": 64, "demo": 32, "accel": 256, "smoke": 4}[preset]
     c.data.regen_max_turns = {"paper": 64, "demo": 1, "accel": 1, "smoke": 2}[preset]
     c.data.worker_count = 0
+    c.data.features = "offline"
+    c.data.online_dtype = "bfloat16"
 
     c.draft = config_dict.ConfigDict()
     c.draft.num_layers = 3

@@ -25,7 +25,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axes. Parameters: 'embed' is FSDP-sharded, head/MLP/vocab axes
-# tensor-parallel. Activations: 'batch' spans the data-parallel axes.
+# tensor-parallel. Activations: 'batch' spans the data-parallel axes. A sparse target's routed experts
+# (`[X, H, I]`, axes ('expert', 'embed', 'mlp')) are sharded like any SwiGLU weight, their 'embed' axis over
+# 'fsdp' and 'mlp' over 'tensor', every expert on every device: XLA partitions the experts' ragged dot along
+# those axes (each device multiplies its slice of H), but not along the expert axis. Mapping 'expert' to
+# 'fsdp' stores the same bytes per device yet makes XLA all-gather each layer's whole experts before the
+# ragged dot (TPU v5p-8, Qwen3-Next shapes: 4.0 GB per layer per device, 1.7 -> 2.9 GB of temporaries;
+# `results/hybrid-target-2026-12-03/check_memory.md`); splitting experts pays only with an explicit
+# token dispatch (`shard_map` + all-to-all), which the target does not have.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("embed", "fsdp"),
@@ -215,6 +222,14 @@ def with_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -
         )
 
     return jax.tree.map(one, state, is_leaf=_is_variable)
+
+
+def device_bytes(tree) -> int:
+    """Bytes of one device's shards of the leaves of `tree` (arrays or `ShapeDtypeStruct`s carrying a
+    sharding, e.g. from `with_shardings`)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+    )
 
 
 def shard_batch(x: jax.Array | np.ndarray, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> jax.Array:

@@ -1,4 +1,5 @@
-"""Offline store of target hidden states the draft trains on (docs/design.md, "Cache").
+"""Offline store of target hidden states the draft trains on (docs/design.md, "Cache"), or of the token
+rows alone (`CacheSpec.states = False`) for online training, which computes the states in the step.
 
 Native format (tensorstore zarr3 + manifest, resumable multi-process writer) in
 ``format``/``writer``/``reader``; the public DeepSpec v2 format is in ``dspark_jax.interop``, and

@@ -2,10 +2,12 @@
 
 Every conversation becomes one sample: `input_ids` and the response-only `loss_mask` from
 `tokenize_conversation`, truncated to `max_length` (counted), then the target's aux layer
-outputs and post-norm final state. A conversation that does not become a sample is counted
-under its reason (`DROP_REASONS`): regeneration skipped it (its first prompt is longer than
-`data.regen_max_prompt_tokens`), or it cannot be tokenised (no assistant reply), or too few
-response tokens are left within `max_length`. A process builds the shards `process_index,
+outputs and post-norm final state. A token-row cache (`data.features = "online"`: the training step
+runs the target itself) stops before the target forward and holds the ids and masks only, under
+`{split}_tokens-{key}` instead of `{split}_cache-{key}`. A conversation that does not become a
+sample is counted under its reason (`DROP_REASONS`): regeneration skipped it (its first prompt is
+longer than `data.regen_max_prompt_tokens`), or it cannot be tokenised (no assistant reply), or too
+few response tokens are left within `max_length`. A process builds the shards `process_index,
 process_index + process_count, ...`; a killed build resumes from each shard's last commit.
 
 Cache and replies paths may be URLs (`gs://bucket/prefix`): they are joined with '/' and never
@@ -33,6 +35,7 @@ from dspark_jax.cache.features import FeatureExtractor
 from dspark_jax.cache.format import CacheSpec, estimate_bytes
 from dspark_jax.cache.lock import exclusive, lock_file
 from dspark_jax.cache.writer import ShardWriter, create_or_open, finalize, read_progress
+from dspark_jax.data.batch import reads_states
 from dspark_jax.data.conversations import GSM8K_VAL256, Conversation, Message, first_turns, load_conversations
 from dspark_jax.data.regenerate import (
     NO_USER_TURN,
@@ -145,14 +148,20 @@ def cut_turns(conversations: Iterable[Conversation], max_turns: int) -> list[Con
     return [first_turns(conversation, max_turns) for conversation in conversations]
 
 
-def cache_spec(target: Target, aux_layer_ids: Sequence[int], num_shards: int) -> CacheSpec:
-    """The cache identity for a target: its fingerprint and tokenizer, the aux layers and width."""
+def cache_spec(
+    target: Target, aux_layer_ids: Sequence[int], num_shards: int, states: bool = True
+) -> CacheSpec:
+    """The cache identity for a target: its fingerprint and tokenizer, the aux layers and width.
+
+    `states=False`: a token-row cache, which names no aux layers (`aux_layer_ids` is not recorded).
+    """
     return CacheSpec(
-        aux_layer_ids=tuple(aux_layer_ids),
+        aux_layer_ids=tuple(aux_layer_ids) if states else (),
         hidden_size=target.config.hidden_size,
         num_shards=num_shards,
         target={"source": target.source, "fingerprint": target.fingerprint, "family": target.config.family},
         tokenizer_fingerprint=target.tokenizer.fingerprint(),
+        states=states,
     )
 
 
@@ -168,9 +177,10 @@ def projected_size(
     An upper bound: each conversation kept (cut to `data.regen_max_turns` user turns; dropped when
     its first prompt is longer than `data.regen_max_prompt_tokens`, as regeneration drops it) counts
     its rendering with empty replies plus `data.regen_max_new_tokens` per reply, capped at
-    `data.max_length`.
+    `data.max_length`. With `data.features = "online"` it counts the bytes of the token rows alone.
     """
     data = config.data
+    states = reads_states(config)
     source = data.train_source if split == "train" else (data.val_source or str(GSM8K_VAL256))
     limit = (data.train_limit if split == "train" else data.val_limit) or None
     conversations = cut_turns(load_conversations(source, limit=limit).conversations, data.regen_max_turns)
@@ -187,9 +197,11 @@ def projected_size(
         rendered, _ = tokenize_conversation(tokenizer, template, messages, require_response=False)
         tokens += min(len(rendered) + len(turns) * data.regen_max_new_tokens, data.max_length)
         samples += 1
-    spec = CacheSpec(tuple(data.aux_layer_ids), hidden_size, data.num_shards, {}, "")
+    aux_layer_ids = tuple(data.aux_layer_ids) if states else ()
+    spec = CacheSpec(aux_layer_ids, hidden_size, data.num_shards, {}, "", states=states)
     return {
         "split": split,
+        "states": states,
         "conversations": len(conversations),
         "dropped": {PROMPT_TOO_LONG: too_long},
         "samples_at_most": samples,
@@ -200,7 +212,7 @@ def projected_size(
 
 def build_cache(
     path: str,
-    target: Target,
+    target: Target | None,
     samples: TokenizedSamples,
     spec: CacheSpec,
     *,
@@ -213,22 +225,26 @@ def build_cache(
 ) -> dict | None:
     """Writes this process's shards of the cache at `path`; finalises it when every shard is done.
 
-    `mesh` must be the mesh the target was placed on. Returns the final manifest when this
-    call completed the cache, else None (other processes still have shards to write).
+    `mesh` must be the mesh the target was placed on. A token-row spec (`spec.states` False) writes the
+    ids and masks alone: no target forward, `target`, `mesh` and `tokens_per_batch` unused. Returns the
+    final manifest when this call completed the cache, else None (other processes still have shards to
+    write).
     """
     if not samples.input_ids:
         raise ValueError(f"no usable samples for cache {path} ({samples.skipped} skipped)")
     layout = create_or_open(path, spec, len(samples.input_ids))
-    extractor = FeatureExtractor(
-        target.model, spec.aux_layer_ids, tokens_per_batch=tokens_per_batch, mesh=mesh
-    )
+    extractor = None
+    if spec.states:
+        extractor = FeatureExtractor(
+            target.model, spec.aux_layer_ids, tokens_per_batch=tokens_per_batch, mesh=mesh
+        )
     my_shards = range(process_index, spec.num_shards, process_count)
     total = sum(len(layout.shard_sample_range(s)) for s in my_shards)
     bar = tqdm(total=total, desc=f"cache {path}", unit="sample", disable=not progress)
     begin, tokens = time.perf_counter(), 0
 
     def advance(count: int, batch_tokens: int) -> None:
-        """Progress after each target forward: samples done, tokens/s."""
+        """Progress after each target forward (token rows: each commit): samples done, tokens/s."""
         nonlocal tokens
         tokens += batch_tokens
         bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - begin):.0f}", refresh=False)
@@ -244,18 +260,14 @@ def build_cache(
         bar.update(writer.start_sample - layout.shard_sample_range(shard).start)
         for start in range(todo.start, todo.stop, samples_per_commit):
             indices = range(start, min(start + samples_per_commit, todo.stop))
-            features = extractor([samples.input_ids[i] for i in indices], on_batch=advance)
-            writer.append(
-                [
-                    {
-                        "input_ids": samples.input_ids[i],
-                        "loss_mask": samples.loss_masks[i],
-                        "aux_hidden": aux,
-                        "last_hidden": last,
-                    }
-                    for i, (aux, last) in zip(indices, features)
-                ]
-            )
+            rows = [{"input_ids": samples.input_ids[i], "loss_mask": samples.loss_masks[i]} for i in indices]
+            if extractor is None:
+                advance(len(rows), sum(len(row["input_ids"]) for row in rows))
+            else:
+                features = extractor([row["input_ids"] for row in rows], on_batch=advance)
+                for row, (aux, last) in zip(rows, features):
+                    row.update(aux_hidden=aux, last_hidden=last)
+            writer.append(rows)
         writer.finalize_shard()
     bar.close()
     complete = all((read_progress(path, s) or {}).get("complete") for s in range(spec.num_shards))
@@ -304,14 +316,14 @@ def regen_settings(config, split: str) -> dict[str, Any]:
 
 
 def cache_settings(config, split: str) -> dict[str, Any]:
-    """Every setting that determines a split's cache content (besides the target)."""
+    """Every setting that determines a split's cache content (besides the target).
+
+    A token-row cache (`data.features = "online"`) does not depend on the aux layers and says
+    `"states": False`; a cache of states has the keys it always had, so its key is unchanged.
+    """
     d = config.data
-    return {
-        **regen_settings(config, split),
-        "max_length": d.max_length,
-        "aux_layer_ids": list(d.aux_layer_ids),
-        "num_shards": d.num_shards,
-    }
+    layers = {"aux_layer_ids": list(d.aux_layer_ids)} if reads_states(config) else {"states": False}
+    return {**regen_settings(config, split), "max_length": d.max_length, **layers, "num_shards": d.num_shards}
 
 
 def settings_key(settings: dict[str, Any]) -> str:
@@ -320,9 +332,11 @@ def settings_key(settings: dict[str, Any]) -> str:
 
 def cache_path(config, target_fingerprint: str, split: str) -> str:
     """The cache of one split ('train' or 'val') for a config and target, keyed on every setting that
-    determines its content: changing one builds a new cache instead of reusing a stale one."""
+    determines its content: changing one builds a new cache instead of reusing a stale one.
+    `{split}_cache-{key}` holds states, `{split}_tokens-{key}` token rows (`data.features = "online"`)."""
     key = settings_key(cache_settings(config, split))
-    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_cache-{key}")
+    kind = "cache" if reads_states(config) else "tokens"
+    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_{kind}-{key}")
 
 
 def replies_path(config, target_fingerprint: str, split: str) -> str:
@@ -343,7 +357,9 @@ def prepare_split(
 ) -> dict:
     """Regenerates a split's replies with the target and builds its cache; resumes whatever exists.
 
-    Conversations are cut to their first `data.regen_max_turns` user turns before regeneration.
+    The cache holds the target's states, or with `data.features = "online"` the token rows alone (no
+    target forward after regeneration; same replies file). Conversations are cut to their first
+    `data.regen_max_turns` user turns before regeneration.
     Returns a report: cache path, counts, projected bytes, and the manifest when complete. With
     `build=False` it stops after regenerating and tokenising (no target forward, no cache written).
     `conversations` (read from the source; `source_skipped` are the records the source loader
@@ -353,6 +369,7 @@ def prepare_split(
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     data = config.data
     max_turns = check_max_turns(data.regen_max_turns)  # before the (possibly slow) source is read
+    states = reads_states(config)
     path = cache_path(config, target.fingerprint, split)
     replies = replies_path(config, target.fingerprint, split)
     locks = Path(local_cache_root(config), "locks")
@@ -391,10 +408,11 @@ def prepare_split(
                 len(conversations),
                 {reason: n for reason, n in dropped.items() if n},
             )
-        spec = cache_spec(target, data.aux_layer_ids, data.num_shards)
+        spec = cache_spec(target, data.aux_layer_ids, data.num_shards, states=states)
         report = {
             "split": split,
             "cache": path,
+            "states": states,
             "replies": replies,
             "conversations": len(conversations),
             "source_skipped": dict(loaded.skipped),

@@ -21,10 +21,30 @@ from dspark_jax.target.generate import prompt_bucket
 from dspark_jax.target.model import Transformer
 
 
-def _features(state, tokens_BxT, valid_BxT, *, graphdef, aux_layer_ids):
-    model = nnx.merge(graphdef, state)
-    out = model(tokens_BxT, valid_BxT=valid_BxT, aux_layer_ids=aux_layer_ids)
-    return out.aux_BxTxAxH.astype(jnp.bfloat16), out.hidden_BxTxH.astype(jnp.bfloat16)
+def target_states(
+    model: Transformer,
+    tokens_BxT: jax.Array,
+    *,
+    aux_layer_ids: Sequence[int],
+    valid_BxT: jax.Array | None = None,
+    positions_BxT: jax.Array | None = None,
+    dtype=jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array]:
+    """What a cache stores of token rows, `(aux_hidden [B, T, A, H], last_hidden [B, T, H])` in `dtype`:
+    right-padded rows with `valid_BxT`, or packed ones with `positions_BxT` (`Transformer.__call__`). The
+    cache builder and online training (`dspark_jax.training.online`) both run this forward."""
+    out = model(
+        tokens_BxT, valid_BxT=valid_BxT, positions_BxT=positions_BxT, aux_layer_ids=tuple(aux_layer_ids)
+    )
+    return out.aux_BxTxAxH.astype(dtype), out.hidden_BxTxH.astype(dtype)
+
+
+def state_features(state, tokens_BxT, valid_BxT, *, graphdef, aux_layer_ids):
+    """The cache builder's program: `target_states` of right-padded rows, the model as `graphdef` + `state`
+    (what it jits, and what `check_memory --program=target_forward` compiles)."""
+    return target_states(
+        nnx.merge(graphdef, state), tokens_BxT, aux_layer_ids=aux_layer_ids, valid_BxT=valid_BxT
+    )
 
 
 class FeatureExtractor:
@@ -53,7 +73,7 @@ class FeatureExtractor:
         self.tokens_per_batch = tokens_per_batch
         self.mesh = mesh or sharding.make_mesh()
         self._forward = jax.jit(
-            functools.partial(_features, graphdef=self.graphdef, aux_layer_ids=self.aux_layer_ids)
+            functools.partial(state_features, graphdef=self.graphdef, aux_layer_ids=self.aux_layer_ids)
         )
 
     def batches(self, sequences: Sequence[np.ndarray]) -> Iterator[tuple[int, int, list[int]]]:

@@ -8,9 +8,12 @@ through tensorstore kvstores, never the local filesystem API)::
     shards/00000/progress.json    commit record of shard 0 (samples/tokens done, checksums)
     shards/00000/input_ids        zarr3 int32    [N_tok]
     shards/00000/loss_mask        zarr3 uint8    [N_tok]
-    shards/00000/aux_hidden       zarr3 bfloat16 [N_tok, n_aux, H]
-    shards/00000/last_hidden      zarr3 bfloat16 [N_tok, H]
+    shards/00000/aux_hidden       zarr3 bfloat16 [N_tok, n_aux, H]   (states caches only)
+    shards/00000/last_hidden      zarr3 bfloat16 [N_tok, H]          (states caches only)
     shards/00000/offsets          zarr3 int64    [n + 1]  shard-local token offsets
+
+A token-row cache (``CacheSpec.states = False``, what ``data.features = "online"`` trains on: the
+target's states are computed in the step) holds only ``input_ids`` and ``loss_mask``.
 
 Shard ``i`` of ``num_shards`` holds the contiguous global samples
 ``[i*n_samples//num_shards, (i+1)*n_samples//num_shards)``; the layout depends only on
@@ -50,6 +53,8 @@ DTYPES: dict[str, np.dtype] = {
     "last_hidden": BF16,
     "offsets": np.dtype(np.int64),
 }
+TOKEN_ARRAYS = ("input_ids", "loss_mask")
+STATE_ARRAYS = ("aux_hidden", "last_hidden")
 _ZARR_DTYPES = {"int32": "int32", "uint8": "uint8", "bfloat16": "bfloat16", "int64": "int64"}
 
 
@@ -61,6 +66,9 @@ class CacheSpec:
     hidden_size: target hidden size H. num_shards: number of independently writable shards.
     target: free-form identity of the target (source, fingerprint / weight hash, ...).
     tokenizer_fingerprint: hash of the tokenizer.
+    states: whether the cache holds the target's states (``aux_hidden``, ``last_hidden``); a token-row
+    cache (False) holds only ``input_ids`` and ``loss_mask`` and names no aux layers (``()``). Manifests
+    written before this field read as True.
     chunk_tokens: zarr chunk length along N_tok, also the checksum block length. A random read
     decodes whole chunks, so keep it near the typical sample length (512: ~650 samples/s at
     T=512, A=3, H=576 on 2 CPU cores, vs ~90 samples/s with 2048).
@@ -72,16 +80,21 @@ class CacheSpec:
     target: dict[str, Any]
     tokenizer_fingerprint: str
     chunk_tokens: int = 512
+    states: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
-        if self.num_shards < 1 or self.hidden_size < 1 or self.chunk_tokens < 1 or not self.aux_layer_ids:
+        if self.num_shards < 1 or self.hidden_size < 1 or self.chunk_tokens < 1:
             raise ValueError(f"invalid CacheSpec: {self}")
+        if self.states and not self.aux_layer_ids:
+            raise ValueError(f"invalid CacheSpec: a cache of states needs aux_layer_ids: {self}")
+        if not self.states and self.aux_layer_ids:
+            raise ValueError(f"invalid CacheSpec: a token-row cache (states=False) has no aux layers: {self}")
 
     @property
     def array_names(self) -> tuple[str, ...]:
         """The token-major arrays of every shard, in a fixed order."""
-        return ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+        return TOKEN_ARRAYS + (STATE_ARRAYS if self.states else ())
 
     def token_shape(self, name: str) -> tuple[int, ...]:
         """Per-token trailing shape of a token-major array."""

@@ -13,6 +13,7 @@ from dspark_jax.cache.format import CacheSpec
 
 # Keys accepted by ``expect`` and how to find them in a manifest.
 _EXPECT_KEYS = {
+    "states": lambda m: m["spec"].get("states", True),  # manifests before `CacheSpec.states`: True
     "aux_layer_ids": lambda m: list(m["spec"]["aux_layer_ids"]),
     "hidden_size": lambda m: m["spec"]["hidden_size"],
     "tokenizer_fingerprint": lambda m: m["spec"]["tokenizer_fingerprint"],
@@ -21,13 +22,18 @@ _EXPECT_KEYS = {
 
 
 def check_expect(manifest: dict[str, Any], expect: dict[str, Any], where: str) -> None:
-    """Raise ValueError naming the key, expected and found value for the first mismatch."""
-    for key, want in expect.items():
+    """Raise ValueError naming the key, expected and found value for the first mismatch.
+
+    ``states`` is checked first: a token-row cache names no aux layers, and that is not the news.
+    """
+    for key in sorted(expect, key=lambda k: k != "states"):
         if key not in _EXPECT_KEYS:
             raise ValueError(f"unknown expect key {key!r}; known: {sorted(_EXPECT_KEYS)}")
-        found = _EXPECT_KEYS[key](manifest)
+        want, found = expect[key], _EXPECT_KEYS[key](manifest)
         if (list(want) if isinstance(want, tuple | list) else want) != found:
-            raise ValueError(f"cache {where!r} mismatch on {key}: expected {want!r}, found {found!r}")
+            kind = {True: "a cache of target states", False: "a token-row cache (no target states)"}
+            note = f" ({kind[found]})" if key == "states" else ""
+            raise ValueError(f"cache {where!r} mismatch on {key}: expected {want!r}, found {found!r}{note}")
 
 
 def committed_counts(path: str, manifest: dict[str, Any], allow_incomplete: bool) -> list[tuple[int, int]]:
@@ -50,27 +56,39 @@ def committed_counts(path: str, manifest: dict[str, Any], allow_incomplete: bool
 class CacheDataSource:
     """grain RandomAccessDataSource over a dspark_jax cache, in the original global sample order.
 
-    ``ds[i]`` -> dict of numpy arrays: input_ids int32[T], loss_mask uint8[T],
-    aux_hidden bfloat16[T, n_aux, H], last_hidden bfloat16[T, H].
-    ``expect`` checks the manifest (keys: aux_layer_ids, hidden_size, tokenizer_fingerprint,
+    ``ds[i]`` -> dict of numpy arrays: input_ids int32[T], loss_mask uint8[T], and from a cache of
+    states (``has_states``) aux_hidden bfloat16[T, n_aux, H], last_hidden bfloat16[T, H]; with
+    ``read_states=False`` only the token rows are read, whatever the cache holds.
+    ``expect`` checks the manifest (keys: states, aux_layer_ids, hidden_size, tokenizer_fingerprint,
     target_fingerprint). An incomplete cache raises unless ``allow_incomplete``, which
     exposes only committed samples (each shard's committed prefix, in shard order). Picklable:
     tensorstore handles are reopened lazily in each process.
     """
 
     def __init__(
-        self, path: str, *, expect: dict[str, Any] | None = None, allow_incomplete: bool = False
+        self,
+        path: str,
+        *,
+        expect: dict[str, Any] | None = None,
+        allow_incomplete: bool = False,
+        read_states: bool = True,
     ) -> None:
         self.path = path
         self.manifest = fmt.read_manifest(path)
-        check_expect(self.manifest, expect or {}, path)
+        self.check_expect(expect or {})
         self.spec = CacheSpec.from_json(self.manifest["spec"])
+        self.has_states = self.spec.states
+        self._names = self.spec.array_names if read_states else fmt.TOKEN_ARRAYS
         counts = committed_counts(path, self.manifest, allow_incomplete)
         self._shard_starts = np.concatenate([[0], np.cumsum([c[0] for c in counts])]).astype(np.int64)
         if self._shard_starts[-1] == 0:
             raise ValueError(f"cache {path!r} has 0 samples; nothing to train on")
         self._arrays: dict[tuple[int, str], ts.TensorStore] | None = None
         self._offsets = [self._read_offsets(s, n) for s, (n, _) in enumerate(counts)]
+
+    def check_expect(self, expect: dict[str, Any]) -> None:
+        """Raise ValueError naming the first key of ``expect`` the manifest does not match."""
+        check_expect(self.manifest, expect, self.path)
 
     def _read_offsets(self, shard: int, n: int) -> np.ndarray:
         if not n:
@@ -113,7 +131,7 @@ class CacheDataSource:
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         shard, t0, t1 = self.locate(int(index))
-        futures = {n: self._open(shard, n)[t0:t1].read() for n in self.spec.array_names}
+        futures = {n: self._open(shard, n)[t0:t1].read() for n in self._names}
         out, failed = {}, []
         for name, future in futures.items():
             try:

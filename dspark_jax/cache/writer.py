@@ -72,7 +72,11 @@ def create_or_open(path: str, spec: CacheSpec, num_samples: int) -> CacheLayout:
     if existing is None:
         fmt.write_json(kv, fmt.MANIFEST, _skeleton(spec, num_samples))
     else:
-        found = {**existing.get("spec", {}), "num_samples": existing.get("num_samples")}
+        # Through CacheSpec: a manifest written before a field was added reads with its default.
+        found = {
+            **CacheSpec.from_json(existing["spec"]).to_json(),
+            "num_samples": existing.get("num_samples"),
+        }
         wanted = {**spec.to_json(), "num_samples": num_samples}
         for key in sorted(set(found) | set(wanted)):
             if found.get(key) != wanted.get(key):
@@ -170,8 +174,8 @@ class ShardWriter:
         return hashers
 
     def append(self, samples: Sequence[Mapping[str, np.ndarray]]) -> None:
-        """Write ``samples`` (dicts of input_ids int32[T], loss_mask uint8[T], aux_hidden bf16[T,A,H],
-        last_hidden bf16[T,H]) after the committed ones, then commit.
+        """Write ``samples`` (dicts of input_ids int32[T], loss_mask uint8[T], and in a cache of states
+        aux_hidden bf16[T,A,H], last_hidden bf16[T,H]) after the committed ones, then commit.
         """
         if self.complete:
             raise ValueError(f"shard {self.shard} is already finalized")

@@ -1,11 +1,15 @@
 """Regenerate replies with the target and build the offline caches of a config.
 
   python -m dspark_jax.build_cache [--config=configs/baseline.py:demo] [--split=all|train|val] [--dry_run]
-      [--process_index=I --process_count=P]
+      [--process_index=I --process_count=P] [--config.data.features=online]
 
-`--dry_run` prints, per split, an upper bound of the cache's size in bytes from the prompts, the
-aux layers and the reply-length cap, in seconds: no weights are loaded, nothing is generated or
-written. Several processes can build disjoint
+With `--config.data.features=online` it stops at the token rows: the same regeneration (same
+replies file), then only each sample's input_ids and loss_mask are written, under
+`<split>_tokens-<key>` (no target forward, no states; what an online run, which computes the
+target's states in its training step, reads). `--dry_run` prints, per split, an upper bound of the
+cache's size in bytes from the prompts, the aux layers (none for token rows) and the reply-length
+cap, in seconds: no weights are loaded, nothing is generated or written. Several processes can
+build disjoint
 shards of one cache (`--process_index/--process_count`); the last one to finish writes the
 final manifest. Rerunning resumes a killed build.
 """

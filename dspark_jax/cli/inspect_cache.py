@@ -3,13 +3,14 @@
     python -m dspark_jax.inspect_cache PATH [--verify] [--allow_incomplete]
                                             [--dump_sample=I --output=S.npz]
 
-Prints a JSON summary (format, num_samples, num_tokens, aux_layer_ids, hidden_size, dtypes,
-target, complete; for a DeepSpec v2 cache aux_layer_ids is its target_layer_ids and target its
-target_model_name_or_path). ``--verify`` recomputes the checksums of a dspark_jax cache; a
-DeepSpec v2 cache has none, so it checks the manifest and index and reads every sample, printing
-one line per bad sample before exiting 1. Any error exits 1 with a message. ``--dump_sample``
-writes sample I's input_ids, loss_mask, aux_hidden [T, n_aux, H] and last_hidden [T, H] (hidden
-states as float32) to an .npz file.
+Prints a JSON summary (format, states, num_samples, num_tokens, aux_layer_ids, hidden_size,
+dtypes, target, complete; for a DeepSpec v2 cache aux_layer_ids is its target_layer_ids and target
+its target_model_name_or_path). ``states`` is false for a token-row cache (``data.features=online``:
+input_ids and loss_mask only, no aux layers). ``--verify`` recomputes the checksums of a dspark_jax
+cache; a DeepSpec v2 cache has none, so it checks the manifest and index and reads every sample,
+printing one line per bad sample before exiting 1. Any error exits 1 with a message.
+``--dump_sample`` writes sample I's input_ids, loss_mask and, from a cache of states, aux_hidden
+[T, n_aux, H] and last_hidden [T, H] (hidden states as float32) to an .npz file.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def summarize(path: str, allow_incomplete: bool = False) -> dict[str, Any]:
         n_aux, h = ds.num_aux, ds.hidden_size
         return {
             "format": "deepspec",
+            "states": True,
             "num_samples": len(ds),
             "num_tokens": int(ds.index["seq_len"].sum()),
             "num_shards": len(ds.shard_files),
@@ -60,6 +62,7 @@ def summarize(path: str, allow_incomplete: bool = False) -> dict[str, Any]:
     return {
         "format": fmt.FORMAT_NAME,
         "format_version": m["format_version"],
+        "states": spec.get("states", True),  # manifests before `CacheSpec.states` hold states
         "num_samples": m["num_samples"],
         "num_tokens": m["num_tokens"],
         "committed_samples": sum(c[0] for c in counts),

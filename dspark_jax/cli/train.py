@@ -93,6 +93,14 @@ def human_summary(summary: dict, config_name: str) -> str:
             f"  eval tau_prob {final['tau_prob']:.4f} at step {final['step']} "
             f"(best {best['tau_prob']:.4f} at step {best['step']})"
         )
+    features = summary.get("features") or {"mode": "offline"}
+    if "draft_seconds_per_step" in features:
+        lines.append(
+            f"  features: online, a step {features['target_seconds_per_step']:.3f} s in the target's forward "
+            f"+ {features['draft_seconds_per_step']:.3f} s in the draft's"
+        )
+    else:
+        lines.append(f"  features: {features['mode']}")
     lines += [
         f"  wall time: {times}",
         "next:",

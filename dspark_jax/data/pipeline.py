@@ -2,7 +2,10 @@
 
 Records (`source[i]`, any grain random-access source): `input_ids int32[T]`,
 `loss_mask uint8[T]`, `aux_hidden bf16[T, A, H]`, `last_hidden bf16[T, H]`; `T` varies per
-record (other fields of a record are ignored).
+record (other fields of a record are ignored). With `PipelineConfig.states` False (online features:
+the step computes the target's states) records need only `input_ids` and `loss_mask`, any states they
+hold are ignored, and batches have no `aux_hidden`/`last_hidden`; every other field is what the
+pipeline with states gives for the same records and seed.
 
 Order of operations (all deterministic in `PipelineConfig.seed`):
 
@@ -19,10 +22,10 @@ Order of operations (all deterministic in `PipelineConfig.seed`):
    does not fill a global batch is dropped.
 
 Batch dict (per process, `B = per_process_batch`, `T = max_length`, `N = num_anchors`): the
-fields of `dspark_jax.data.batch.FIELDS` -- token fields padded to `T` (`input_ids` with
-`pad_id`, the rest with 0), `positions` (per record, from 0), `anchors`/`block_keep` (see
-`anchors.sample_anchors` for the padding convention), `seq_len` (tokens after truncation) and
-`num_samples` (records in the row). Labels, Markov predecessors and eval masks
+fields of `dspark_jax.data.batch.FIELDS` (less its `STATE_FIELDS` when `states` is False) -- token
+fields padded to `T` (`input_ids` with `pad_id`, the rest with 0), `positions` (per record, from 0),
+`anchors`/`block_keep` (see `anchors.sample_anchors` for the padding convention), `seq_len` (tokens
+after truncation) and `num_samples` (records in the row). Labels, Markov predecessors and eval masks
 are derived on device (`dspark_jax.draft.blocks`). The iterator counts truncated records
 (`truncated_count`, a log line each time it passes a power of two) and that count is part of
 its checkpointed state.
@@ -52,7 +55,7 @@ from absl import flags
 from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax.data import anchors as anchors_lib
-from dspark_jax.data.batch import RECORD_FIELDS
+from dspark_jax.data.batch import record_fields
 from dspark_jax.sharding import DEFAULT_RULES, Rules, logical_to_spec
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,8 @@ class PipelineConfig:
 
     `batch_size` is the global batch (all processes, in rows); `num_epochs=None` repeats forever;
     `worker_count > 0` prepares batches in that many grain worker processes; `pack` puts several
-    whole records in a row (`PackPlan`) instead of one.
+    whole records in a row (`PackPlan`) instead of one; `states` False leaves the target's states out
+    (records need none, batches have none).
     """
 
     max_length: int
@@ -79,6 +83,7 @@ class PipelineConfig:
     num_epochs: int | None = None
     worker_count: int = 0
     pack: bool = False
+    states: bool = True
 
     def __post_init__(self):
         for key in ("max_length", "num_anchors", "batch_size"):
@@ -112,13 +117,14 @@ def prepare_row(
     out: Batch = {}
     positions = np.zeros(config.max_length, np.int32)
     offset, truncated = 0, False
+    fields = record_fields(config.states)
     for record in records:
-        missing = [name for name in RECORD_FIELDS if name not in record]
+        missing = [name for name in fields if name not in record]
         if missing:
-            raise ValueError(f"record lacks fields {missing}; records need {list(RECORD_FIELDS)}")
+            raise ValueError(f"record lacks fields {missing}; records need {list(fields)}")
         length = int(np.shape(record["input_ids"])[0])
         kept = min(length, config.max_length - offset)
-        for name, dtype in RECORD_FIELDS.items():
+        for name, dtype in fields.items():
             value = np.asarray(record[name])
             if value.shape[:1] != (length,):
                 raise ValueError(f"field {name!r} has shape {value.shape}, expected leading length {length}")

@@ -134,11 +134,14 @@ class DraftMemory(NamedTuple):
 
 class FrozenTarget(NamedTuple):
     """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft, plus the frozen side
-    inputs of the run's group (`{name: pytree}`, declared by `Experiment.side_inputs`; None: none)."""
+    inputs of the run's group (`{name: pytree}`, declared by `Experiment.side_inputs`; None: none), and in
+    online training the target's whole parameter state, which the step's feature pass runs (None
+    offline: the states come from the cache)."""
 
     embedding_VxH: jax.Array
     lm_head_HxV: jax.Array
     side_inputs: Any = None
+    target_state: Any = None
 
 
 class DraftLayer(DecoderBlock):

@@ -73,6 +73,13 @@ REQUIRED_KEYS = (
 FIELDS = ("input_ids", "attention_mask", "loss_mask", "target_hidden_states", "target_last_hidden_states")
 # The arrays a training read needs (DeepSpec's own dataset skips attention_mask too).
 _TRAIN_FIELDS = ("input_ids", "loss_mask", "target_hidden_states", "target_last_hidden_states")
+# The record field (`dspark_jax.data.batch`) of each DeepSpec array a source reads.
+_RECORD_NAMES = {
+    "input_ids": "input_ids",
+    "loss_mask": "loss_mask",
+    "target_hidden_states": "aux_hidden",
+    "target_last_hidden_states": "last_hidden",
+}
 # expect keys the DeepSpec manifest records, and under which manifest key.
 _EXPECT_KEYS = {"aux_layer_ids": "target_layer_ids", "hidden_size": "hidden_size"}
 # expect keys DeepSpec does not record: skipped with a warning.
@@ -225,35 +232,47 @@ class DeepSpecDataSource:
     """grain RandomAccessDataSource over a DeepSpec v2 cache, in ``samples.idx`` order.
 
     ``ds[i]`` -> input_ids int32[T], loss_mask uint8[T], aux_hidden bfloat16[T, n_aux, H],
-    last_hidden bfloat16[T, H] (numpy). Opening validates the manifest, the presence of every
-    shard file and the index (see ``read_deepspec_index``). ``expect`` keys: aux_layer_ids
-    (compared with target_layer_ids), hidden_size;
+    last_hidden bfloat16[T, H] (numpy); with ``read_states=False`` only input_ids and loss_mask.
+    Opening validates the manifest, the presence of every shard file and the index (see
+    ``read_deepspec_index``). ``expect`` keys: states (always True: DeepSpec caches hold states),
+    aux_layer_ids (compared with target_layer_ids), hidden_size;
     tokenizer_fingerprint / target_fingerprint are not recorded by DeepSpec and are skipped with
     a warning. Picklable: the kvstore is reopened lazily in each process.
     """
 
-    def __init__(self, path: str, *, expect: dict[str, Any] | None = None) -> None:
+    has_states = True
+
+    def __init__(self, path: str, *, expect: dict[str, Any] | None = None, read_states: bool = True) -> None:
         self.path = path
+        self._fields = _TRAIN_FIELDS if read_states else _TRAIN_FIELDS[:2]
         kv = fmt.open_kvstore(path)
         self.manifest = read_deepspec_manifest(path, kv)
         self.hidden_size: int = self.manifest["hidden_size"]
         self.aux_layer_ids: list[int] = list(self.manifest["target_layer_ids"])
         self.num_aux: int = len(self.aux_layer_ids)
         self.shard_files: list[str] = [s["file_name"] for s in self.manifest["shards"]]
-        self._check_expect(expect or {})
+        self.check_expect(expect or {})
         _check_shard_files(kv, path, self.manifest)
         self.index = read_deepspec_index(kv, path, self.manifest)
         if len(self.index) == 0:
             raise ValueError(f"cache {path!r} has 0 samples; nothing to train on")
         self._kv: ts.KvStore | None = None
 
-    def _check_expect(self, expect: Mapping[str, Any]) -> None:
+    def check_expect(self, expect: Mapping[str, Any]) -> None:
+        """Raise ValueError naming the first key of ``expect`` the manifest does not match."""
         for key, want in expect.items():
+            if key == "states":
+                if want is not True:
+                    raise ValueError(
+                        f"cache {self.path!r} mismatch on states: expected {want!r}, found True "
+                        "(a DeepSpec cache holds target states)"
+                    )
+                continue
             if key in _UNRECORDED_KEYS:
                 logging.warning("DeepSpec cache %s does not record %s; not checked", self.path, key)
                 continue
             if key not in _EXPECT_KEYS:
-                known = sorted([*_EXPECT_KEYS, *_UNRECORDED_KEYS])
+                known = sorted([*_EXPECT_KEYS, *_UNRECORDED_KEYS, "states"])
                 raise ValueError(f"unknown expect key {key!r}; known: {known}")
             found = self.manifest[_EXPECT_KEYS[key]]
             if (list(want) if isinstance(want, tuple | list) else want) != found:
@@ -323,15 +342,10 @@ class DeepSpecDataSource:
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range [0, {len(self)})")
         try:
-            out = self._finish_reads(index, *self._start_reads(index, _TRAIN_FIELDS))
+            out = self._finish_reads(index, *self._start_reads(index, self._fields))
         except CacheCorruptError as e:
             raise CacheCorruptError(f"cache {self.path!r}: {e}") from None
-        return {
-            "input_ids": out["input_ids"],
-            "loss_mask": out["loss_mask"],
-            "aux_hidden": out["target_hidden_states"],
-            "last_hidden": out["target_last_hidden_states"],
-        }
+        return {_RECORD_NAMES[name]: out[name] for name in self._fields}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_kv": None}

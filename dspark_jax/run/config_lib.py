@@ -17,8 +17,10 @@ from typing import Any
 from ml_collections import config_dict
 
 from dspark_jax import groups, sharding
+from dspark_jax.data.batch import FEATURES
 from dspark_jax.errors import UsageError
 from dspark_jax.kernels.block_attention import DEFAULT_BLOCK_SIZES, IMPLEMENTATIONS
+from dspark_jax.run import online
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +133,12 @@ def validate(config) -> None:
         raise UsageError(f"train.stop_step={t.stop_step} must be in [1, train.total_steps={t.total_steps}]")
     if len(config.data.aux_layer_ids) < 1:
         raise UsageError("data.aux_layer_ids must name at least one target layer")
+    _check_aux_layers(config)
     d = config.data
+    if d.get("features", "offline") not in FEATURES:
+        raise UsageError(f"data.features={d.features!r} must be one of {FEATURES}")
+    if d.get("online_dtype", "bfloat16") not in online.ONLINE_DTYPES:
+        raise UsageError(f"data.online_dtype={d.online_dtype!r} must be one of {online.ONLINE_DTYPES}")
     for key in (
         "max_length",
         "num_shards",
@@ -161,6 +168,23 @@ def validate(config) -> None:
         experiment.check_config(config)
     if config.draft.block_size != 7:
         log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
+
+
+def _check_aux_layers(config) -> None:
+    """The aux layer ids name layers of the target that `target.arch` describes: the one built at random
+    (`target.random_init`), or with no `target.path` the embedded default's or the paper's shape (what the
+    shape-only tools compile). A checkpoint at `target.path` is checked against its own depth when read."""
+    target = config.target
+    arch = target.get("arch")
+    if arch is None or (target.path and not target.random_init):
+        return
+    depth = arch.num_layers
+    bad = [i for i in config.data.aux_layer_ids if not -1 <= i < depth]
+    if bad:
+        raise UsageError(
+            f"data.aux_layer_ids={tuple(config.data.aux_layer_ids)} names layer {bad[0]}, but the target "
+            f"(target.arch) has {depth} decoder layers: use ids -1 (embedding output) .. {depth - 1}"
+        )
 
 
 def _check_block_sizes(draft) -> None:

@@ -11,14 +11,18 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from dspark_jax import groups, sharding
 from dspark_jax.cache import read_manifest
 from dspark_jax.cache.build import cache_path, prepare_split
 from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.errors import UsageError
+from dspark_jax.run import draft_state, online
 from dspark_jax.target import Target, TargetConfig, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
+from dspark_jax.target.load import abstract_model
 from dspark_jax.target.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,53 @@ class TargetSide:
     fingerprint: str
     tokenizer_fingerprint: str
     pad_id: int
+    features: online.OnlineFeatures | None = None  # online training: the step's target forward
+
+
+def device_memory_bytes(mesh: Mesh) -> int | None:
+    """One of this process's devices' memory as its runtime reports it (`bytes_limit`); None where it
+    reports none (CPU)."""
+    stats = mesh.local_devices[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def check_online_fits(config, target: TargetConfig, mesh: Mesh) -> None:
+    """Online training holds the whole frozen target next to the draft's state on every device: refuses,
+    naming the bytes and the mesh axes that would shard them, when one device's share cannot fit. Shapes
+    only: runs before any weight is read or any step compiled."""
+    limit = device_memory_bytes(mesh)
+    if limit is None:
+        return
+    rules = sharding.rules_of(config)
+    dtypes = jnp.dtype(config.target.param_dtype), jnp.dtype(config.target.dtype)
+    target_bytes = sharding.device_bytes(
+        sharding.with_shardings(nnx.state(abstract_model(target, *dtypes)), mesh, rules)
+    )
+    _, params, _ = draft_state.abstract_draft(config, target)
+    # The draft's parameters, its two Adam moments and the gradient accumulators.
+    draft_bytes = 4 * sharding.device_bytes(sharding.with_shardings(params, mesh, rules))
+    if target_bytes + draft_bytes <= limit:
+        return
+    shape = ", ".join(f"mesh.{axis}={size}" for axis, size in mesh.shape.items())
+    raise UsageError(
+        f"data.features=online: one device needs {(target_bytes + draft_bytes) / 1e9:.2f} GB for the frozen "
+        f"target ({target_bytes / 1e9:.2f} GB) and the draft's state ({draft_bytes / 1e9:.2f} GB) before "
+        f"any activation, but has {limit / 1e9:.2f} GB ({shape}): shard the target over more devices "
+        "(a larger mesh.fsdp, or mesh.tensor), or train offline (data.features=offline)"
+    )
+
+
+def with_online_target(config, side: TargetSide, target: Target) -> TargetSide:
+    """`side` with the whole frozen target (`frozen.target_state`) and the step's feature pass, for online
+    training (`run.online`)."""
+    if config.data.get("pack", False) and target.config.has_linear_attention:
+        raise UsageError(
+            f"data.features=online with data.pack=True needs a full-attention target; {target.source} has "
+            "linear-attention layers, whose recurrence would run across the packed samples: set "
+            "data.pack=False (or train offline)"
+        )
+    frozen = side.frozen._replace(target_state=nnx.state(target.model))
+    return dataclasses.replace(side, frozen=frozen, features=online.online_features(config, target.model))
 
 
 def _place(x: np.ndarray | jax.Array, axes: tuple[str, str], mesh: Mesh, dtype) -> jax.Array:
@@ -81,6 +132,11 @@ def side_from_checkpoint(config, mesh: Mesh) -> TargetSide:
     )
 
 
+def load_run_target(config, mesh: Mesh) -> Target:
+    """The whole target of a run config, placed on `mesh` by the run's sharding rules."""
+    return target_from_config(config.target, seed=config.seed, mesh=mesh, rules=sharding.rules_of(config))
+
+
 def _cache_complete(path: str) -> bool:
     try:
         return bool(read_manifest(path).get("complete"))
@@ -91,7 +147,9 @@ def _cache_complete(path: str) -> bool:
 def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]:
     """The target side and the train/val cache paths, building missing caches first.
 
-    `data.train_cache` / `data.val_cache` name existing caches to use as they are.
+    The caches built are of the config's kind (`cache_path`): the target's states, or with
+    `data.features = "online"` token rows. `data.train_cache` / `data.val_cache` name existing caches to
+    use as they are (an online run reads the token rows of a cache of states too; `sources.open_source`).
     """
     if config.preset == "paper" and not config.target.path:
         raise ValueError(
@@ -99,7 +157,7 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
         )
     target = None
     if config.target.random_init:
-        target = target_from_config(config.target, seed=config.seed, mesh=mesh)
+        target = load_run_target(config, mesh)
         side = side_from_target(target, mesh)
     else:
         side = side_from_checkpoint(config, mesh)
@@ -108,10 +166,14 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
 
     def load_target() -> Target:
         nonlocal target
-        target = target or target_from_config(config.target, seed=config.seed, mesh=mesh)
+        target = target or load_run_target(config, mesh)
         return target
 
+    if online.is_online(config):
+        check_online_fits(config, side.config, mesh)
     side = with_side_inputs(config, side, load_target)  # before the caches: its errors are cheap to find
+    if online.is_online(config):
+        side = with_online_target(config, side, load_target())
     for split, path in paths.items():
         if not given[split] and not _cache_complete(path):
             log.info("%s cache %s is missing or incomplete: building it", split, path)

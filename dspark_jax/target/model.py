@@ -238,12 +238,16 @@ class Transformer(nnx.Module):
         valid_BxT: jax.Array | None = None,
         aux_layer_ids: tuple[int, ...] = (),
         keep_steps: bool = False,
+        positions_BxT: jax.Array | None = None,
     ) -> TargetOutput:
         """Runs the model on `tokens_BxT`.
 
         Without `cache`: a whole-sequence causal forward at positions `0..T-1`; `valid_BxT`
         (optional) marks real tokens so right padding never leaks into real positions and
-        left padding is masked. With `cache`: the tokens are appended at each row's
+        left padding is masked. `positions_BxT` (without `cache`, full-attention targets only) runs
+        packed rows instead: each token's position in its own sample, restarting at 0 where a sample
+        starts; a token attends only to earlier tokens of its sample, at those RoPE positions, so each
+        sample's states equal its forward alone. With `cache`: the tokens are appended at each row's
         `cache.end_B` (positions continue from there) and the updated cache is returned
         with `end_B` advanced by `T`; `valid_BxT` then marks each row's real tokens (a contiguous run:
         a right-padded prompt), so that the linear layers' states stop after them. `keep_steps` (with
@@ -251,6 +255,11 @@ class Transformer(nnx.Module):
         """
         for layer_id in aux_layer_ids:
             self.cfg.layer_index(layer_id)
+        if positions_BxT is not None and (cache is not None or self.cfg.has_linear_attention):
+            raise ValueError(
+                "packed rows (positions_BxT) need a whole-sequence forward of a full-attention target: "
+                "the linear-attention layers' recurrence runs through sample boundaries"
+            )
         b, t = tokens_BxT.shape
         if cache is None:
             start_B = jnp.zeros((b,), jnp.int32)
@@ -262,10 +271,14 @@ class Transformer(nnx.Module):
             start_B = cache.start_B
             slots_BxT = cache.end_B[:, None] + jnp.arange(t, dtype=jnp.int32)
             key_slots_T = jnp.arange(cache.max_len, dtype=jnp.int32)
-        positions_BxT = slots_BxT - start_B[:, None]
         visible_BxTxT = (key_slots_T[None, None, :] <= slots_BxT[:, :, None]) & (
             key_slots_T[None, None, :] >= start_B[:, None, None]
         )
+        if positions_BxT is None:
+            positions_BxT = slots_BxT - start_B[:, None]
+        else:  # packed: a sample starts where the position restarts at 0
+            sample_BxT = jnp.cumsum(positions_BxT == 0, axis=1)
+            visible_BxTxT = visible_BxTxT & (sample_BxT[:, None, :] == sample_BxT[:, :, None])
         if cache is None and valid_BxT is not None:
             visible_BxTxT = visible_BxTxT & valid_BxT[:, None, :].astype(bool)
         # The linear layers read only real tokens: past each row's start, and within `valid_BxT`.

@@ -21,9 +21,17 @@ from dspark_jax.run import config_lib, draft_state, sources, target_side
 from dspark_jax.training import step as step_lib
 
 
-def make_eval_sums(graphdef: nnx.GraphDef, experiment: Experiment) -> Callable:
-    """Jitted `(params, rest, frozen, batch) -> sums` of the experiment's evaluation."""
-    return jax.jit(lambda p, r, f, b: experiment.evaluation_sums(nnx.merge(graphdef, p, r), f, b))
+def make_eval_sums(
+    graphdef: nnx.GraphDef, experiment: Experiment, features: step_lib.Features | None = None
+) -> Callable:
+    """Jitted `(params, rest, frozen, batch) -> sums` of the experiment's evaluation; `features` (online
+    training) first adds the target's states to the batch."""
+
+    def sums(params, rest, frozen, batch):
+        batch = batch if features is None else features(frozen, batch)
+        return experiment.evaluation_sums(nnx.merge(graphdef, params, rest), frozen, batch)
+
+    return jax.jit(sums)
 
 
 def evaluate(
@@ -58,6 +66,7 @@ class Validation(NamedTuple):
     rest: nnx.State
     step: int
     frozen: object
+    features: step_lib.Features | None  # online training: the target forward before each step
     samples: int
     batches: Iterator[Mapping[str, np.ndarray]]  # one epoch of micro-batches
     mesh: Mesh
@@ -83,6 +92,7 @@ def open_validation(config, checkpoint: str | os.PathLike) -> Validation:
         rest,
         step,
         side.frozen,
+        side.features,
         len(source),
         batches,
         mesh,
@@ -95,7 +105,7 @@ def evaluate_checkpoint(config, checkpoint: str | os.PathLike) -> dict[str, floa
     v = open_validation(config, checkpoint)
     with sharding.activation_sharding(v.mesh, v.rules):
         metrics = evaluate(
-            make_eval_sums(v.graphdef, v.experiment),
+            make_eval_sums(v.graphdef, v.experiment, v.features),
             v.experiment,
             v.params,
             v.rest,
@@ -113,6 +123,7 @@ def block_records(v: Validation) -> list[dict[str, np.ndarray]]:
     (`[rows, N, S]` arrays) of the experiment's own evaluation forward."""
 
     def records(params, rest, frozen, batch):
+        batch = batch if v.features is None else v.features(frozen, batch)
         with objective.recording_blocks() as recorded:
             v.experiment.evaluation_sums(nnx.merge(v.graphdef, params, rest), frozen, batch)
         if len(recorded) != 1:

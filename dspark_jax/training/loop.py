@@ -86,18 +86,29 @@ def split_micro_batches(batch: Mapping[str, np.ndarray], num: int) -> list[dict[
     return [{k: v[i * size : (i + 1) * size] for k, v in fields.items()} for i in range(num)]
 
 
+def forward_seconds(features: step_lib.Features, frozen, micro_batch) -> float:
+    """Seconds of the online feature pass alone (the target's forward) on one micro-batch, compiled."""
+    forward = jax.jit(features)
+    jax.block_until_ready(forward(frozen, micro_batch))
+    began = time.perf_counter()
+    jax.block_until_ready(forward(frozen, micro_batch))
+    return time.perf_counter() - began
+
+
 def write_summary(
     workdir: epath.Path,
     checkpointer: Checkpointer,
     stages: Mapping[str, float],
     pretrained_steps: int = 0,
     process_steps: tuple[int, int] = (0, 0),
+    features: Mapping[str, Any] | None = None,
 ) -> None:
     """`summary.json` in the work directory: where the run's outputs are, its final and best
     evaluation (on the logged, cumulative step axis), the run's own steps and the steps of the run it
     started from, what this process did (`resumed_from_step`: the checkpoint it started from, 0 for a
-    fresh run; `steps_computed`: the optimizer steps it ran), and the wall time of each stage (process 0
-    only)."""
+    fresh run; `steps_computed`: the optimizer steps it ran), the wall time of each stage, and where the
+    target's states came from (`features`: the mode, and online what the target's forward cost of each
+    step) (process 0 only)."""
     if jax.process_index():
         return
     lines = [json.loads(line) for line in (workdir / METRICS_FILE).read_text().splitlines()]
@@ -115,6 +126,7 @@ def write_summary(
         "final_eval": dict(zip(("step", "tau_prob"), evals[-1])) if evals else None,
         "best_eval": dict(zip(("step", "tau_prob"), max(evals, key=lambda e: e[1]))) if evals else None,
         "seconds": {name: round(seconds, 1) for name, seconds in stages.items()},
+        "features": dict(features or {"mode": "offline"}),
     }
     (workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -188,7 +200,11 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     meta = {"config": config_lib.to_stored(config), "pretrained_steps": offset}
 
     # ---- Compiled steps -----------------------------------------------------------------------
-    micro_step = jax.jit(functools.partial(step_lib.micro_step, graphdef=graphdef, experiment=experiment))
+    micro_step = jax.jit(
+        functools.partial(
+            step_lib.micro_step, graphdef=graphdef, experiment=experiment, features=side.features
+        )
+    )
     accumulate = jax.jit(step_lib.accumulate, donate_argnums=0)
     apply_step = jax.jit(
         functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=experiment),
@@ -196,7 +212,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     )
     train_metrics = jax.jit(experiment.metrics)
     count = jax.jit(batch_counts)
-    eval_sums = evaluation.make_eval_sums(graphdef, experiment)
+    eval_sums = evaluation.make_eval_sums(graphdef, experiment, side.features)
 
     # ---- Loop ---------------------------------------------------------------------------------
     last: dict[str, float] = {}
@@ -224,6 +240,13 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
         progress.update(step, {"loss": metrics["train/loss"], "tau": metrics["train/tau_prob"]})
 
     stop, computed = False, 0
+    features = {"mode": "online" if side.features else "offline"}
+    log.info(
+        "features: %s",
+        "online (the frozen target runs in every micro-step)"
+        if side.features
+        else "offline (from the cache)",
+    )
     stages["setup"] += time.perf_counter()
     stages |= {"first_step": 0.0, "train": -time.perf_counter(), "eval": 0.0}
     log.info("step %d: compiling the train step (the first step takes longer)", start + 1)
@@ -254,6 +277,17 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 jax.block_until_ready(grad_norm)
                 stages["first_step"] = time.perf_counter() - began
                 log.info("step %d: compiled and ran in %.1f s", step, stages["first_step"])
+                if side.features is not None:  # timed apart, its compile counted in the first step
+                    timing = time.perf_counter()
+                    one = to_global(micro_batch, mesh, rules)
+                    features["target_seconds_per_step"] = t.grad_accum * forward_seconds(
+                        side.features, side.frozen, one
+                    )
+                    stages["first_step"] += time.perf_counter() - timing
+                    log.info(
+                        "online: the target's forward takes %.3f s of each step",
+                        features["target_seconds_per_step"],
+                    )
 
             # Evaluate before saving: a kill after the save never loses this step's eval line.
             if (t.eval_every and step % t.eval_every == 0) or step == t.stop_step:
@@ -295,7 +329,11 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     checkpointer.wait()
     stages["train"] += time.perf_counter() - stages["eval"] - stages["first_step"]
     writer.close()
-    write_summary(workdir, checkpointer, stages, offset, (start, computed))
+    if "target_seconds_per_step" in features and computed > 1:
+        draft = stages["train"] / (computed - 1) - features["target_seconds_per_step"]
+        features["draft_seconds_per_step"] = round(draft, 4)  # steps after the first: compiled
+        features["target_seconds_per_step"] = round(features["target_seconds_per_step"], 4)
+    write_summary(workdir, checkpointer, stages, offset, (start, computed), features)
     checkpointer.close()
     if stop and step < t.stop_step:
         raise Preempted(step)

@@ -23,7 +23,7 @@ for them; `apply_step` hands it zeros in their place.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -37,6 +37,8 @@ from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.groups import Experiment
 
 Batch = Mapping[str, jax.Array]
+# `(frozen, batch) -> batch` with the target's states added (online training: `run.online.OnlineFeatures`).
+Features = Callable[[FrozenTarget, Batch], Batch]
 
 
 def split_trainable(params: nnx.State, experiment: Experiment) -> tuple[nnx.State, nnx.State]:
@@ -64,9 +66,13 @@ def micro_step(
     *,
     graphdef: nnx.GraphDef,
     experiment: Experiment,
+    features: Features | None = None,
 ) -> tuple[tuple[nnx.State, ...], dict[str, jax.Array]]:
     """Per loss group, the gradient of this micro-batch's loss numerator with respect to the trainable
-    parameters (`split_trainable`); and its sums."""
+    parameters (`split_trainable`); and its sums. `features` (online training, `run.online`) first adds
+    the target's states to the batch, outside the differentiated function."""
+    if features is not None:
+        batch = features(frozen, batch)
     trainable, frozen_params = split_trainable(params, experiment)
 
     def numerators(p):

@@ -1,12 +1,21 @@
 """AOT memory check: one local device (no `--topology`), a sharded mesh of CPU devices standing in for a
-topology, the named topologies and their one-line errors where this host lacks the compiler."""
+topology, the named topologies and their one-line errors where this host lacks the compiler; both programs
+(the draft's training step, the cache builder's target forward of a hybrid MoE target with its experts
+split over the devices); the paper preset's hybrid MoE target and its aux layers."""
+
+import json
 
 import jax
 import pytest
+from ml_collections import config_dict
 
-from configs import baseline
+from configs import base, baseline
+from dspark_jax import sharding
+from dspark_jax.errors import UsageError
+from dspark_jax.run import config_lib
+from dspark_jax.target.config import TargetConfig, from_hf_config
 from dspark_jax.training import topology
-from dspark_jax.training.aot import step_memory
+from dspark_jax.training.aot import step_memory, target_forward_memory
 from tests.test_cli_errors import SMOKE, run
 
 CATEGORIES = (
@@ -15,10 +24,40 @@ CATEGORIES = (
     "optimizer_state",
     "gradient_accumulators",
     "frozen_target",
+    "online_target_state",
     "batch",
     "micro_step_temporaries",
     "update_temporaries",
 )
+
+
+# The smoke preset with a tiny Qwen3-Next-shaped target: 3 Gated DeltaNet layers and one gated full-attention
+# layer (the aux layers 1-3 are of both kinds), every MLP 2 of 8 experts plus a shared expert.
+SMOKE_HYBRID_MOE = dict(
+    base.SMOKE_TARGET,
+    family="qwen3_next",
+    layer_types=("linear_attention",) * 3 + ("full_attention",),
+    attn_output_gate=True,
+    partial_rotary_factor=0.25,
+    norm_unit_offset=True,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
+FORWARD_CATEGORIES = ("expert_parameters", "other_target_state", "batch", "outputs", "temporaries")
+
+
+def _smoke_hybrid_moe():
+    config = baseline.get_config("smoke")
+    with config.unlocked():
+        config.target.arch = config_dict.ConfigDict(SMOKE_HYBRID_MOE)
+    return config
 
 
 def test_one_local_device_counts_every_category():
@@ -47,6 +86,25 @@ def test_sharded_devices_split_state_and_batch():
     sums = per["gradient_accumulators"] - per["parameters"]
     assert 0 < sums <= 4096 and per1["gradient_accumulators"] - per1["parameters"] == sums
     assert per["frozen_target"] * 8 == per1["frozen_target"]  # ('vocab', 'embed'): hidden 64 over fsdp=8
+
+
+def test_the_online_step_holds_the_whole_target_and_reads_token_rows_only():
+    """`data.features=online` on 8 devices: the frozen target's every weight sharded by the rules (one
+    eighth each), a batch without states, and the target's forward among the step's temporaries."""
+    config = _smoke_hybrid_moe()
+    config.data.pack = False  # the hybrid target's recurrence cannot run across packed samples
+    offline = step_memory(config, micro_batch=2, devices=jax.devices()[:8])
+    config.data.features = "online"
+    on = step_memory(config, micro_batch=2, devices=jax.devices()[:8])
+    per, off = on["per_device_bytes"], offline["per_device_bytes"]
+    assert (on["features"], offline["features"]) == ("online", "offline") and off["online_target_state"] == 0
+    whole = target_forward_memory(config, rows=1, devices=jax.devices()[:8])["per_device_bytes"]
+    assert per["online_target_state"] == whole["expert_parameters"] + whole["other_target_state"] > 0
+    assert per["frozen_target"] == off["frozen_target"] and per["parameters"] == off["parameters"]
+    t, h, a = config.data.max_length, config.target.arch.hidden_size, len(config.data.aux_layer_ids)
+    assert off["batch"] - per["batch"] == 2 * t * h * (a + 1) * 2  # two rows' bf16 states, no more
+    assert per["micro_step_temporaries"] > off["micro_step_temporaries"]
+    assert on["estimated_peak_bytes"] > offline["estimated_peak_bytes"] + per["online_target_state"]
 
 
 def test_topology_table():
@@ -85,3 +143,111 @@ def test_compiles_for_a_tpu_topology_with_libtpu():
     assert report["device_kind"] == "TPU v5" and report["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     per = report["per_device_bytes"]
     assert 0 < per["optimizer_state"] - 2 * per["parameters"] <= 16
+
+
+def test_expert_weights_are_sharded_by_the_rules(mesh8):
+    """('expert', 'embed', 'mlp') by default: every expert on every device, sliced along H over 'fsdp' and
+    I over 'tensor'. A table that maps 'expert' to 'fsdp' too splits whole experts instead (the first
+    logical axis takes the mesh axis, 'embed' stays whole), unless 'fsdp' does not divide the count."""
+    spec = lambda x, rules=sharding.DEFAULT_RULES: sharding.logical_to_spec(
+        ("expert", "embed", "mlp"), (x, 64, 32), mesh8, rules
+    )
+    experts_on_fsdp = tuple((n, "fsdp" if n == "expert" else a) for n, a in sharding.DEFAULT_RULES)
+    assert spec(8) == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert spec(8, experts_on_fsdp) == jax.sharding.PartitionSpec("fsdp", None, "tensor")
+    assert spec(3, experts_on_fsdp) == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+
+
+def test_target_forward_splits_the_experts_over_devices_and_the_bytes_add_up():
+    """The cache builder's forward of a hybrid MoE target on 1 and on 8 CPU devices (fsdp=8): each device
+    holds an eighth of every expert (H over 'fsdp') and 2 rows of the batch and of the bf16 outputs; the
+    categories are the program's arguments, outputs and temporaries."""
+    config = _smoke_hybrid_moe()
+    one = target_forward_memory(config, rows=2)
+    eight = target_forward_memory(config, rows=2, devices=jax.devices()[:8])
+    t, h, layers = config.data.max_length, 64, 4
+    experts = layers * 3 * 8 * h * 32 * 4  # gate, up, down [X, H, I] per layer, float32
+    outputs = 2 * t * (len(config.data.aux_layer_ids) + 1) * h * 2  # 2 rows of aux + last hidden, bf16
+    for report, devices in ((one, 1), (eight, 8)):
+        per = report["per_device_bytes"]
+        assert tuple(per) == FORWARD_CATEGORIES and report["devices"] == devices
+        assert report["global_rows"] == 2 * devices and report["tokens_per_row"] == t
+        assert per["expert_parameters"] == experts // devices
+        assert per["batch"] == 2 * t * (4 + 1) and per["outputs"] == outputs  # int32 tokens + bool valid
+        forward = report["forward"]
+        arguments = per["expert_parameters"] + per["other_target_state"] + per["batch"]
+        assert forward["argument_size_in_bytes"] == arguments
+        table = forward["output_size_in_bytes"] - per["outputs"]  # the output tuple's pointers
+        assert 0 <= table <= 64 and report["estimated_peak_bytes"] == sum(per.values()) + table
+    assert set(one["expert_sharding"].values()) == {"P(None, None, None)"}
+    assert eight["expert_sharding"] == {
+        "expert,embed,mlp": "P(None, 'fsdp', None)",
+        "expert,mlp,embed": "P(None, None, 'fsdp')",
+    }
+    assert eight["per_device_bytes"]["other_target_state"] < one["per_device_bytes"]["other_target_state"]
+    assert one["target_parameters"] == eight["target_parameters"] > experts // 4
+
+
+def test_paper_target_is_qwen3_next_at_the_seeds_width():
+    """`PAPER_TARGET` is what the loader makes of Qwen3-Next-80B-A3B's config (transformers' defaults, with
+    that checkpoint's rope_theta, MLP width and context) at hidden size 2560; its aux layers 45-47 fit."""
+    from transformers import Qwen3NextConfig
+
+    hf = Qwen3NextConfig(
+        hidden_size=2560,
+        intermediate_size=5120,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        eos_token_id=151645,
+    )
+    paper = baseline.get_config("paper")
+    target = TargetConfig.from_json(paper.target.arch.to_dict())
+    assert from_hf_config(hf.to_dict()) == target
+    assert target.num_layers == 48 and target.num_experts == 512 and target.hidden_size == 2560
+    assert paper.data.aux_layer_ids == (45, 46, 47) and paper.draft.mask_token_id < target.vocab_size
+    config_lib.validate(paper)
+
+
+def test_aux_layer_ids_past_the_targets_depth_are_refused():
+    config = baseline.get_config("paper")
+    with config.unlocked():
+        config.data.aux_layer_ids = (46, 47, 48)
+    with pytest.raises(
+        UsageError, match=r"names layer 48, but the target .* 48 decoder layers: use ids -1 .* 47$"
+    ):
+        config_lib.validate(config)
+    with config.unlocked():
+        config.target.path = "/weights/elsewhere"  # a checkpoint's own depth decides (checked when read)
+    config_lib.validate(config)
+
+
+@pytest.mark.parametrize(
+    ("flags_", "message"),
+    [
+        (["--micro_batch=2"], "--micro_batch applies to --program=train_step"),
+        (["--forward_rows=0"], "--forward_rows must be >= 1, got 0"),
+    ],
+)
+def test_bad_target_forward_flags_are_one_error_line(tmp_path, flags_, message):
+    proc, errors = run(tmp_path, "check_memory", SMOKE, "--program=target_forward", *flags_)
+    assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[-2000:]
+
+
+def test_target_forward_command_prints_the_report(tmp_path):
+    proc, _ = run(tmp_path, "check_memory", SMOKE, "--program=target_forward", "--forward_rows=2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["program"] == "target_forward" and report["global_rows"] == 2
+    assert report["expert_sharding"] == {}  # the smoke target is dense
+
+
+@pytest.mark.slow
+def test_target_forward_compiles_for_a_tpu_topology_with_libtpu():
+    """Only where libtpu is installed: the hybrid MoE forward for a v5p-8 slice, a quarter of every expert
+    on each chip."""
+    if not topology.has_compiler("tpu"):
+        pytest.skip("libtpu is not installed (pip install 'dspark_jax[tpu-aot]')")
+    report = target_forward_memory(_smoke_hybrid_moe(), 1, topology.compile_devices("tpu-v5p-8"))
+    assert report["device_kind"] == "TPU v5" and report["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert report["expert_sharding"]["expert,embed,mlp"] == "P(None, 'fsdp', None)"
+    assert report["per_device_bytes"]["expert_parameters"] == 4 * 3 * 8 * 64 * 32 * 4 // 4

@@ -28,9 +28,10 @@ def cache_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("smoke_caches"))
 
 
-def _config(cache_dir, **train):
+def _config(cache_dir, features="offline", **train):
     config = baseline.get_config("smoke")
     config.data.cache_dir = cache_dir
+    config.data.features = features
     config.mesh.fsdp = 1
     for key, value in train.items():
         setattr(config.train, key, value)
@@ -65,8 +66,10 @@ def train_command(workdir, cache_dir, settings, *extra) -> list[str]:
     ]
 
 
-def _start_subprocess(cache_dir, workdir):
-    cmd = train_command(workdir, cache_dir, SETTINGS, "--config.mesh.fsdp=1")
+def _start_subprocess(cache_dir, workdir, features="offline"):
+    cmd = train_command(
+        workdir, cache_dir, SETTINGS, "--config.mesh.fsdp=1", f"--config.data.features={features}"
+    )
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -94,11 +97,14 @@ def saved_steps(workdir):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_uninterrupted_result(cache_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("features", ["offline", "online"])
+def test_killed_run_resumes_to_the_uninterrupted_result(cache_dir, tmp_path, monkeypatch, features):
+    """kill -9 mid-run, then a resume: the metrics and parameters of the uninterrupted run, bit for bit
+    (online: the target runs in the step, over the token cache)."""
     full, killed = tmp_path / "full", tmp_path / "killed"
-    train(_config(cache_dir, **SETTINGS), full)
+    train(_config(cache_dir, features, **SETTINGS), full)
     assert json.loads((full / SUMMARY_FILE).read_text())["resumed_from_step"] == 0
-    proc = _start_subprocess(cache_dir, killed)
+    proc = _start_subprocess(cache_dir, killed, features)
     _wait_for(killed / "checkpoints" / "2", proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -109,7 +115,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(cache_dir, tmp_path, mon
     steps = []
     split = loop.split_micro_batches
     monkeypatch.setattr(loop, "split_micro_batches", lambda *a: steps.append(1) or split(*a))
-    train(_config(cache_dir, **SETTINGS), killed)
+    train(_config(cache_dir, features, **SETTINGS), killed)
     resumed = assert_resumed(killed, before_resume)
     assert len(steps) == SETTINGS["stop_step"] - resumed
     assert logged_metrics(killed) == logged_metrics(full)

@@ -34,9 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(workdir, cache_dir, processes, devices_per_process, **settings):
-    """`python -m dspark_jax.train` in `processes` processes (one coordinator on localhost)."""
-    cmd = train_command(workdir, cache_dir, {**SETTINGS, **settings})
+def _launch(workdir, cache_dir, processes, devices_per_process, *extra, **settings):
+    """`python -m dspark_jax.train` in `processes` processes (one coordinator on localhost); `extra` flags."""
+    cmd = train_command(workdir, cache_dir, {**SETTINGS, **settings}, *extra)
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"}
     if processes > 1:
         env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}", "JAX_NUM_PROCESSES": str(processes)}
@@ -136,3 +136,12 @@ def test_sigterm_to_one_process_stops_both_at_one_saved_step(reference):
 
 def _lines(path):
     return path.read_text().splitlines() if path.exists() else []
+
+
+def test_two_processes_train_online_as_one(tmp_path):
+    """Online (the target sharded over both processes' devices, run in every step): the same run, bitwise."""
+    online = "--config.data.features=online"
+    _finish(_launch(tmp_path / "one", tmp_path / "caches", 1, 2, online))
+    _finish(_launch(tmp_path / "two", tmp_path / "caches", 2, 1, online))
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
+    assert [p.name.split("-")[0] for p in (tmp_path / "caches").glob("*/*_tokens-*")] != []

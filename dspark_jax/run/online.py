@@ -1,0 +1,71 @@
+"""Online training (`data.features = "online"`): the frozen target runs inside the training step.
+
+The pipeline then reads token rows only (a token cache: `dspark_jax.cache` with `states=False`). Before
+the group's objective, each micro-step and each evaluation step runs the frozen target over the batch's
+rows with the cache builder's forward (`cache.features.target_states`): an unpacked row right-padded
+after its real tokens, a packed row with each sample's own `positions` (a token sees only its sample).
+The states it returns, `aux_hidden` and `last_hidden`, join the batch rounded to `data.online_dtype`:
+bfloat16 by default, the numbers an offline run reads from its cache. The objective is unchanged.
+
+The target's parameters travel in `FrozenTarget.target_state`, placed by the run's sharding rules (the
+arrays the frozen embedding and LM head also point to: nothing is copied). No gradient reaches them: the
+forward runs before, not inside, the draft's vjp (`training.step.micro_step`), so none of its
+activations are kept for a backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.cache.features import target_states
+from dspark_jax.data.batch import reads_states
+from dspark_jax.draft.model import FrozenTarget
+
+ONLINE_DTYPES = ("bfloat16", "float32")
+
+
+def is_online(config) -> bool:
+    """Whether a run config trains online (configs stored before the key are offline)."""
+    return not reads_states(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineFeatures:
+    """The step's feature pass: `(frozen, batch) -> batch` with the target's states added.
+
+    graphdef: the target's (`nnx.split`); its state is `frozen.target_state`.
+    packed: rows pack several samples (`data.pack`): the forward follows `positions`, else each row's real
+      tokens (position 0 first, then positions > 0; padding has position 0).
+    """
+
+    graphdef: nnx.GraphDef
+    aux_layer_ids: tuple[int, ...]
+    packed: bool
+    dtype: str = "bfloat16"
+
+    def __call__(self, frozen: FrozenTarget, batch: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        model = nnx.merge(self.graphdef, jax.lax.stop_gradient(frozen.target_state))
+        positions_BxT = batch["positions"]
+        if self.packed:
+            rows = dict(positions_BxT=positions_BxT)
+        else:
+            rows = dict(valid_BxT=(positions_BxT > 0) | (jnp.arange(positions_BxT.shape[1]) == 0))
+        aux_BxTxAxH, last_BxTxH = target_states(
+            model, batch["input_ids"], aux_layer_ids=self.aux_layer_ids, dtype=jnp.dtype(self.dtype), **rows
+        )
+        return {**batch, "aux_hidden": aux_BxTxAxH, "last_hidden": last_BxTxH}
+
+
+def online_features(config, model) -> OnlineFeatures:
+    """The feature pass of an online run config for the target `model` (a `Transformer`)."""
+    return OnlineFeatures(
+        nnx.graphdef(model),
+        tuple(config.data.aux_layer_ids),
+        bool(config.data.get("pack", False)),
+        config.data.get("online_dtype", "bfloat16"),
+    )

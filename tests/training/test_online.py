@@ -99,19 +99,24 @@ def _compare(cache_dir, pack, steps=3, preset="smoke", **data):
 
 
 @pytest.mark.parametrize(
-    "preset, pack",
-    [("smoke", False), ("smoke", True), pytest.param("demo", True, marks=pytest.mark.slow)],
+    "preset, pack, rel",
+    [("smoke", False, 1e-6), ("smoke", True, 1e-6), pytest.param("demo", True, 5e-5, marks=pytest.mark.slow)],
     ids=["smoke-rows", "smoke-packed", "demo-packed"],
 )
-def test_online_step_equals_the_offline_step_on_the_same_batches(tmp_path_factory, preset, pack):
-    """Loss, every logged metric and the gradient norm, to 1e-6 relative: the same target forward as the
-    cache builder's, rounded to bf16 as the cache stores it."""
+def test_online_step_equals_the_offline_step_on_the_same_batches(tmp_path_factory, preset, pack, rel):
+    """Loss, every logged metric and the gradient norm: the same target forward as the cache builder's,
+    rounded to bf16 as the cache stores it. On the smoke target the states are bitwise those of the cache
+    (equal to 1e-6, in practice to the last bit). On SmolLM2-135M (demo) XLA's float32 sums run in another
+    order for the online batch's shape (packed rows of 1,024) than for the builder's (each sample in its
+    length bucket), which moves about 0.2% of the state elements by one bf16 step: the metrics then differ
+    by up to 2e-5 relative (measured; `results/online-2026-12-03/README.md`), as two offline caches built
+    with other batch shapes do (`tests/cache/test_build.py`)."""
     data = DEMO_DATA if preset == "demo" else {}
     pairs = _compare(tmp_path_factory.mktemp("caches"), pack, preset=preset, **data)
     for offline_metrics, online_metrics in pairs:
         assert set(online_metrics) == set(offline_metrics)
         for name, want in offline_metrics.items():
-            assert online_metrics[name] == pytest.approx(want, rel=1e-6, abs=1e-9), name
+            assert online_metrics[name] == pytest.approx(want, rel=rel, abs=1e-9), name
 
 
 def test_full_precision_states_differ_from_the_offline_step_by_the_bf16_rounding(tmp_path_factory):

@@ -6,9 +6,12 @@ over the top-k when `norm_topk_prob`; Qwen 3.5-MoE always renormalises); each ex
 
 `SparseMoE.__call__` sorts the `(token, expert)` pairs by expert and multiplies each expert's weights
 with its own rows only (`jax.lax.ragged_dot` over the sorted rows), so an expert costs in proportion to
-the tokens routed to it. That holds where `ragged_dot` is a grouped matmul (TPU, GPU); on CPU, JAX lowers
-it to a masked dense dot over all `X` groups for every one of the `BT*K` rows, `K` times the work of the
-dense pass (see `benchmarks/moe_forward.py`). `dense_reference` is the all-experts computation, the
+the tokens routed to it. That holds where `ragged_dot` is a grouped matmul: on TPU (a `ragged-dot` custom
+call, `results/hybrid-target-2026-12-03/check_memory.md`). On CPU, JAX 0.10 lowers it to a masked dense dot
+over all `X` groups for every one of the `BT*K` rows, `K` times the work of the dense pass (see
+`benchmarks/moe_forward.py`); XLA's GPU compiler (jax-cuda12-plugin 0.10.2) likewise to a dense dot over
+all `X` experts, whose operand grows with the tokens (the paper target's forward does not fit an H200 at
+4,096-token rows). `dense_reference` is the all-experts computation, the
 independent check for tests and the benchmark's baseline.
 
 Shape letters follow the legend in `dspark_jax/__init__.py`; `K` here is the number of experts each token

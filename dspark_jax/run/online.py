@@ -23,15 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.cache.features import target_states
-from dspark_jax.data.batch import reads_states
 from dspark_jax.draft.model import FrozenTarget
 
 ONLINE_DTYPES = ("bfloat16", "float32")
-
-
-def is_online(config) -> bool:
-    """Whether a run config trains online (configs stored before the key are offline)."""
-    return not reads_states(config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from dspark_jax import groups, sharding
 from dspark_jax.cache import read_manifest
 from dspark_jax.cache.build import cache_path, prepare_split
+from dspark_jax.data.batch import reads_states
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.errors import UsageError
 from dspark_jax.run import draft_state, online
@@ -169,10 +170,11 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
         target = target or load_run_target(config, mesh)
         return target
 
-    if online.is_online(config):
+    online_run = not reads_states(config)
+    if online_run:
         check_online_fits(config, side.config, mesh)
     side = with_side_inputs(config, side, load_target)  # before the caches: its errors are cheap to find
-    if online.is_online(config):
+    if online_run:
         side = with_online_target(config, side, load_target())
     for split, path in paths.items():
         if not given[split] and not _cache_complete(path):

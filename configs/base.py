@@ -59,6 +59,10 @@ Keys:
   data.online_dtype         online only: the dtype the target's states are rounded to before the draft
                             reads them; 'bfloat16' (the cache's storage dtype: online = offline) or
                             'float32' (full precision).
+  data.online_chunks        online only: the target's forward runs over each micro-batch in this many
+                            sequential pieces (1 = all rows at once), each a share of every batch
+                            shard's rows, so its activations live one piece at a time; divides the
+                            micro-batch rows (train.global_batch / train.grad_accum).
   draft.num_layers          draft decoder layers (3).
   draft.num_heads/num_kv_heads/head_dim/intermediate_size   draft layer shape (hidden = target's).
   draft.block_size          slots per block: anchor + 6 MASK (7).
@@ -116,6 +120,25 @@ DEMO_TARGET = dict(
 # A tiny random target with SmolLM2's vocabulary (and tokenizer), for tests and smoke runs.
 SMOKE_TARGET = dict(
     DEMO_TARGET, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16
+)
+# SMOKE_TARGET made Qwen3-Next-shaped: 3 Gated DeltaNet layers and one gated full-attention layer (the aux
+# layers 1-3 are of both kinds), every MLP 2 of 8 experts plus a shared expert; for tests of hybrid targets.
+SMOKE_HYBRID_TARGET = dict(
+    SMOKE_TARGET,
+    family="qwen3_next",
+    layer_types=("linear_attention",) * 3 + ("full_attention",),
+    attn_output_gate=True,
+    partial_rotary_factor=0.25,
+    norm_unit_offset=True,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
 )
 # The seed's target, a hybrid "Next" MoE model with hidden size 2560 and aux layers 45-47 (no public
 # config): Qwen3-Next-80B-A3B's config (`transformers`' `Qwen3NextConfig` defaults, which are that model's,
@@ -217,6 +240,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.data.worker_count = 0
     c.data.features = "offline"
     c.data.online_dtype = "bfloat16"
+    c.data.online_chunks = 1
 
     c.draft = config_dict.ConfigDict()
     c.draft.num_layers = 3

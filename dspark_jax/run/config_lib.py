@@ -139,6 +139,12 @@ def validate(config) -> None:
         raise UsageError(f"data.features={d.features!r} must be one of {FEATURES}")
     if d.get("online_dtype", "bfloat16") not in online.ONLINE_DTYPES:
         raise UsageError(f"data.online_dtype={d.online_dtype!r} must be one of {online.ONLINE_DTYPES}")
+    chunks, micro_rows = d.get("online_chunks", 1), t.global_batch // t.grad_accum
+    if not isinstance(chunks, int) or chunks < 1 or micro_rows % chunks:
+        raise UsageError(
+            f"data.online_chunks={chunks!r} must be an integer >= 1 that divides the micro-batch's "
+            f"{micro_rows} rows (train.global_batch / train.grad_accum)"
+        )
     for key in (
         "max_length",
         "num_shards",

@@ -77,12 +77,6 @@ def check_online_fits(config, target: TargetConfig, mesh: Mesh) -> None:
 def with_online_target(config, side: TargetSide, target: Target) -> TargetSide:
     """`side` with the whole frozen target (`frozen.target_state`) and the step's feature pass, for online
     training (`run.online`)."""
-    if config.data.get("pack", False) and target.config.has_linear_attention:
-        raise UsageError(
-            f"data.features=online with data.pack=True needs a full-attention target; {target.source} has "
-            "linear-attention layers, whose recurrence would run across the packed samples: set "
-            "data.pack=False (or train offline)"
-        )
     frozen = side.frozen._replace(target_state=nnx.state(target.model))
     return dataclasses.replace(side, frozen=frozen, features=online.online_features(config, target.model))
 

@@ -212,11 +212,6 @@ class TargetConfig:
         """ "full_attention" or "linear_attention" for decoder layer `index`."""
         return self.layer_types[index] if self.layer_types else FULL_ATTENTION
 
-    @property
-    def has_linear_attention(self) -> bool:
-        """Whether any decoder layer is a linear-attention (Gated DeltaNet) layer."""
-        return LINEAR_ATTENTION in self.layer_types
-
     def is_sparse(self, index: int) -> bool:
         """Whether decoder layer `index` routes its MLP through the experts."""
         return (

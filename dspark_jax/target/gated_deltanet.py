@@ -10,7 +10,9 @@ and the output is `out(RMSNorm(o) * w * silu(z))`. Value head `j` reads key head
 Two forms compute the same recurrence: `chunked_delta_rule` (whole sequences: a scan over chunks, the
 within-chunk part by a unit-triangular solve) and `recurrent_delta_rule` (a scan over tokens that can keep
 the state after every token, which speculative verification needs to keep exactly the accepted prefix).
-Shape letters follow the legend in `dspark_jax/__init__.py`.
+A packed row (several samples, `sample_BxT` numbering them) runs through the chunked form and the conv with
+the state and the conv window reset where a sample starts, so that each sample's outputs equal its forward
+alone. Shape letters follow the legend in `dspark_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -44,11 +46,17 @@ def chunked_delta_rule(
     state_BxJxDxY: jax.Array | None = None,
     *,
     chunk: int = 64,
+    sample_BxT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The recurrence over whole sequences, `chunk` tokens at a time: outputs `[B, T, J, Y]` and the final
     state `[B, J, D, Y]` (float32). The `N` chunks of `S = chunk` slots go through a scan; within a chunk
     the writes come from one unit-lower-triangular solve (the WY / UT form). Padding to a chunk multiple
-    uses `g = beta = 0`: the state passes through it unchanged."""
+    uses `g = beta = 0`: the state passes through it unchanged.
+
+    `sample_BxT` (non-decreasing per row: a packed row's sample numbers) restarts the recurrence from a zero
+    state where the number changes: a slot reads and is decayed with only the writes of its own sample, and
+    the state a chunk passes on holds only its last sample's writes (plus the incoming state if that
+    sample began before the chunk)."""
     b, t, j, d = q_BxTxJxD.shape
     y = v_BxTxJxY.shape[-1]
     pad = -t % chunk
@@ -62,27 +70,39 @@ def chunked_delta_rule(
     q_NxBxJxSxD, k_NxBxJxSxD, v_NxBxJxSxY = chunks(q_BxTxJxD), chunks(k_BxTxJxD), chunks(v_BxTxJxY)
     g_NxBxJxS, beta_NxBxJxS = chunks(g_BxTxJ), chunks(beta_BxTxJ)
     cum_NxBxJxS = jnp.cumsum(g_NxBxJxS, axis=-1)  # log decay from the chunk's start through slot s
-    lower_SxS = jnp.tril(jnp.ones((chunk, chunk), bool))
-    # decay[i, s] = exp(cum_i - cum_s) for s <= i: what slot s's write has decayed to at slot i.
+    lower_NxBxJxSxS = jnp.tril(jnp.ones((chunk, chunk), bool))[None, None, None]
+    # carry[s]: slot s continues the sequence of the state the chunk starts from (always, unpacked).
+    carry_NxBxJxS = jnp.ones((n, b, 1, chunk), bool)
+    if sample_BxT is not None:
+        sample_NxBxS = jnp.pad(sample_BxT, [(0, 0), (0, pad)], mode="edge").reshape(b, n, chunk)
+        sample_NxBxS = sample_NxBxS.swapaxes(0, 1)
+        before_NxBx1 = jnp.concatenate([sample_NxBxS[:1, :, :1], sample_NxBxS[:-1, :, -1:]], axis=0)
+        carry_NxBxJxS = (sample_NxBxS == before_NxBx1)[:, :, None]
+        same_NxBxJxSxS = (sample_NxBxS[..., :, None] == sample_NxBxS[..., None, :])[:, :, None]
+        lower_NxBxJxSxS = lower_NxBxJxSxS & same_NxBxJxSxS
+    # decay[i, s] = exp(cum_i - cum_s) for s <= i (same sample): what slot s's write has decayed to at i.
     gap_NxBxJxSxS = cum_NxBxJxS[..., :, None] - cum_NxBxJxS[..., None, :]
-    decay_NxBxJxSxS = jnp.where(lower_SxS, jnp.exp(jnp.where(lower_SxS, gap_NxBxJxSxS, 0.0)), 0.0)
+    decay_NxBxJxSxS = jnp.where(lower_NxBxJxSxS, jnp.exp(jnp.where(lower_NxBxJxSxS, gap_NxBxJxSxS, 0.0)), 0.0)
     dot = lambda a, c: jnp.einsum("...id,...sd->...is", a, c, precision=_HIGHEST)
     k_beta_NxBxJxSxD = k_NxBxJxSxD * beta_NxBxJxS[..., None]
     # Slot i writes u_i - w_i S0 (S0 the state at the chunk's start), where [u, w] solve
     # (I + strictly_lower(beta k k^T * decay)) [u, w] = [beta v, beta k exp(cum)].
-    strict_SxS = jnp.tril(lower_SxS, -1)
+    strict_SxS = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     system_NxBxJxSxS = jnp.where(strict_SxS, dot(k_beta_NxBxJxSxD, k_NxBxJxSxD) * decay_NxBxJxSxS, 0.0)
+    # exp(cum) where the slot reads the incoming state, else 0 (a sample that starts inside the chunk).
+    from_start_NxBxJxS = jnp.where(carry_NxBxJxS, jnp.exp(cum_NxBxJxS), 0.0)
     rhs_NxBxJxSxYD = jnp.concatenate(
-        [v_NxBxJxSxY * beta_NxBxJxS[..., None], k_beta_NxBxJxSxD * jnp.exp(cum_NxBxJxS)[..., None]], axis=-1
+        [v_NxBxJxSxY * beta_NxBxJxS[..., None], k_beta_NxBxJxSxD * from_start_NxBxJxS[..., None]], axis=-1
     )
     solved_NxBxJxSxYD = jax.lax.linalg.triangular_solve(
         system_NxBxJxSxS, rhs_NxBxJxSxYD, left_side=True, lower=True, unit_diagonal=True
     )
     u_NxBxJxSxY, w_NxBxJxSxD = solved_NxBxJxSxYD[..., :y], solved_NxBxJxSxYD[..., y:]
     attend_NxBxJxSxS = dot(q_NxBxJxSxD, k_NxBxJxSxD) * decay_NxBxJxSxS
-    q_decayed_NxBxJxSxD = q_NxBxJxSxD * jnp.exp(cum_NxBxJxS)[..., None]
-    k_decayed_NxBxJxSxD = k_NxBxJxSxD * jnp.exp(cum_NxBxJxS[..., -1:] - cum_NxBxJxS)[..., None]
-    chunk_decay_NxBxJx1x1 = jnp.exp(cum_NxBxJxS[..., -1])[..., None, None]
+    q_decayed_NxBxJxSxD = q_NxBxJxSxD * from_start_NxBxJxS[..., None]
+    # What each slot's write has decayed to at the chunk's last slot (0 from an earlier sample).
+    k_decayed_NxBxJxSxD = k_NxBxJxSxD * decay_NxBxJxSxS[..., -1, :, None]
+    chunk_decay_NxBxJx1x1 = from_start_NxBxJxS[..., -1:, None]
 
     def step(state_BxJxDxY, xs):
         u_BxJxSxY, w_BxJxSxD, attend_BxJxSxS, q_decayed_BxJxSxD, k_decayed_BxJxSxD, chunk_decay_BxJx1x1 = xs
@@ -149,18 +169,26 @@ def recurrent_delta_rule(
 
 
 def causal_conv(
-    x: jax.Array, taps: jax.Array, history: jax.Array | None = None
+    x: jax.Array, taps: jax.Array, history: jax.Array | None = None, sample_BxT: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal conv over time + SiLU: `x [B, T, ...]`, `taps [K, ...]` (one filter per channel),
     `history [B, K-1, ...]` the previous inputs (zeros when None). Accumulates in float32 and returns
     `(y [B, T, ...], window)` in `x.dtype`, with `window = [history; x]` `[B, K-1+T, ...]`: the conv state
-    after the first `n` new tokens is `window[:, n : n + K - 1]`."""
+    after the first `n` new tokens is `window[:, n : n + K - 1]`. With `sample_BxT` (a packed row's sample
+    numbers; no history) a tap reads zero where its input belongs to an earlier sample."""
     k, t = taps.shape[0], x.shape[1]
     if history is None:
         history = jnp.zeros((x.shape[0], k - 1, *x.shape[2:]), x.dtype)
     window = jnp.concatenate([history.astype(x.dtype), x], axis=1)
     taps32, window32 = taps.astype(jnp.float32), window.astype(jnp.float32)
-    y = sum(window32[:, i : i + t] * taps32[i] for i in range(k))
+    if sample_BxT is not None:  # the window's sample numbers, -1 for the (zero) history
+        owner_BxT = jnp.pad(sample_BxT, [(0, 0), (k - 1, 0)], constant_values=-1)
+        channels = (1,) * (x.ndim - 2)
+        same = lambda i: (owner_BxT[:, i : i + t] == sample_BxT).reshape(*sample_BxT.shape, *channels)
+        window32 = [jnp.where(same(i), window32[:, i : i + t], 0.0) for i in range(k)]
+    else:
+        window32 = [window32[:, i : i + t] for i in range(k)]
+    y = sum(tap * taps32[i] for i, tap in enumerate(window32))
     return jax.nn.silu(y).astype(x.dtype), window
 
 
@@ -272,18 +300,23 @@ class GatedDeltaNet(nnx.Module):
         *,
         all_states: bool = False,
         chunk: int = 64,
+        sample_BxT: jax.Array | None = None,
     ) -> tuple[jax.Array, LinearState | LinearSteps]:
         """The mixer over `T` tokens; `valid_BxT` marks real tokens (a contiguous run per row): the others
         read as zero input and leave the state unchanged. Without `state` the tokens start the sequence;
-        with it they continue it. Returns the output `[B, T, H]` and the state after the last real token,
-        or with `all_states` the states after every token (`LinearSteps`)."""
+        with it they continue it. `sample_BxT` (without `state`) runs packed rows: each sample starts from
+        a zero state and an empty conv window. Returns the output `[B, T, H]` and the state after the last
+        real token, or with `all_states` the states after every token (`LinearSteps`)."""
+        if sample_BxT is not None and (state is not None or all_states):
+            raise ValueError("packed rows (sample_BxT) run a whole-sequence forward: no state, no all_states")
         b, t, _ = x_BxTxH.shape
         if valid_BxT is not None:
             x_BxTxH = jnp.where(valid_BxT[..., None], x_BxTxH, 0)
         history = (None, None, None) if state is None else state[:3]
-        q_BxTxGxD, q_window_BxTxGxD = causal_conv(self.q(x_BxTxH), self.q_taps.get_value(), history[0])
-        k_BxTxGxD, k_window_BxTxGxD = causal_conv(self.k(x_BxTxH), self.k_taps.get_value(), history[1])
-        v_BxTxJxY, v_window_BxTxJxY = causal_conv(self.v(x_BxTxH), self.v_taps.get_value(), history[2])
+        conv = lambda proj, taps, past: causal_conv(proj(x_BxTxH), taps.get_value(), past, sample_BxT)
+        q_BxTxGxD, q_window_BxTxGxD = conv(self.q, self.q_taps, history[0])
+        k_BxTxGxD, k_window_BxTxGxD = conv(self.k, self.k_taps, history[1])
+        v_BxTxJxY, v_window_BxTxJxY = conv(self.v, self.v_taps, history[2])
         windows = (q_window_BxTxGxD, k_window_BxTxGxD, v_window_BxTxJxY)
         per_key = v_BxTxJxY.shape[2] // q_BxTxGxD.shape[2]
         q_BxTxJxD, k_BxTxJxD = prepare_qk(
@@ -301,7 +334,9 @@ class GatedDeltaNet(nnx.Module):
             o_BxTxJxY, states_BxTxJxDxY = recurrent_delta_rule(*rule, all_states=True)
             new_state = LinearSteps(*windows, states_BxTxJxDxY)
         else:  # a chunk no longer than the next power of two of T: one token decodes as a chunk of one
-            o_BxTxJxY, s_BxJxDxY = chunked_delta_rule(*rule, chunk=min(chunk, 1 << (t - 1).bit_length()))
+            o_BxTxJxY, s_BxJxDxY = chunked_delta_rule(
+                *rule, chunk=min(chunk, 1 << (t - 1).bit_length()), sample_BxT=sample_BxT
+            )
             end_B = jnp.full((b,), t, jnp.int32)
             if valid_BxT is not None:  # the windows after the last real token
                 end_B = jnp.max(jnp.where(valid_BxT, jnp.arange(1, t + 1), 0), axis=1).astype(jnp.int32)

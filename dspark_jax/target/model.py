@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax import sharding
 from dspark_jax.nn import (
     AttentionProjections,
     Dtype,
@@ -242,24 +243,21 @@ class Transformer(nnx.Module):
     ) -> TargetOutput:
         """Runs the model on `tokens_BxT`.
 
-        Without `cache`: a whole-sequence causal forward at positions `0..T-1`; `valid_BxT`
-        (optional) marks real tokens so right padding never leaks into real positions and
-        left padding is masked. `positions_BxT` (without `cache`, full-attention targets only) runs
-        packed rows instead: each token's position in its own sample, restarting at 0 where a sample
-        starts; a token attends only to earlier tokens of its sample, at those RoPE positions, so each
-        sample's states equal its forward alone. With `cache`: the tokens are appended at each row's
-        `cache.end_B` (positions continue from there) and the updated cache is returned
-        with `end_B` advanced by `T`; `valid_BxT` then marks each row's real tokens (a contiguous run:
-        a right-padded prompt), so that the linear layers' states stop after them. `keep_steps` (with
-        `cache`) also returns every linear layer's state after each new token, for `keep_prefix`.
+        Without `cache`: a whole-sequence causal forward at positions `0..T-1`; `valid_BxT` (optional) marks
+        real tokens so right padding never leaks into real positions and left padding is masked.
+        `positions_BxT` (without `cache`) runs packed rows instead: each token's position in its own sample,
+        restarting at 0 where a sample starts; a token attends only to earlier tokens of its sample, at those
+        RoPE positions, and the linear-attention layers restart their recurrence and conv window there, so
+        each sample's states equal its forward alone. With `cache`: the tokens are appended at each row's
+        `cache.end_B` (positions continue from there) and the updated cache is returned with `end_B` advanced
+        by `T`; `valid_BxT` then marks each row's real tokens (a contiguous run: a right-padded prompt), so
+        that the linear layers' states stop after them. `keep_steps` (with `cache`) also returns every linear
+        layer's state after each new token, for `keep_prefix`.
         """
         for layer_id in aux_layer_ids:
             self.cfg.layer_index(layer_id)
-        if positions_BxT is not None and (cache is not None or self.cfg.has_linear_attention):
-            raise ValueError(
-                "packed rows (positions_BxT) need a whole-sequence forward of a full-attention target: "
-                "the linear-attention layers' recurrence runs through sample boundaries"
-            )
+        if positions_BxT is not None and cache is not None:
+            raise ValueError("packed rows (positions_BxT) need a whole-sequence forward: no decoding cache")
         b, t = tokens_BxT.shape
         if cache is None:
             start_B = jnp.zeros((b,), jnp.int32)
@@ -274,6 +272,7 @@ class Transformer(nnx.Module):
         visible_BxTxT = (key_slots_T[None, None, :] <= slots_BxT[:, :, None]) & (
             key_slots_T[None, None, :] >= start_B[:, None, None]
         )
+        sample_BxT = None
         if positions_BxT is None:
             positions_BxT = slots_BxT - start_B[:, None]
         else:  # packed: a sample starts where the position restarts at 0
@@ -286,7 +285,10 @@ class Transformer(nnx.Module):
         if valid_BxT is not None:
             real_BxT = real_BxT & valid_BxT.astype(bool)
 
-        x_BxTxH = self.embed(tokens_BxT)
+        # The residual stream stays on its rows' batch shards (weights are gathered to it, FSDP-style), as
+        # the draft's activations do; the identity outside `sharding.activation_sharding`.
+        residual = lambda x_BxTxH: sharding.constrain(x_BxTxH, ("batch", None, None))
+        x_BxTxH = residual(self.embed(tokens_BxT))
         aux = {-1: x_BxTxH}
         ks, vs, linear, steps = [], [], [], []
         inv_freq = self.inv_freq.get_value()
@@ -302,12 +304,12 @@ class Transformer(nnx.Module):
                 state = None if cache is None else cache.linear[len(linear)]
                 stepwise = keep_steps and cache is not None
                 mixed_BxTxH, new_state = layer.linear_attn(
-                    h_BxTxH, real_BxT, state=state, all_states=stepwise
+                    h_BxTxH, real_BxT, state=state, all_states=stepwise, sample_BxT=sample_BxT
                 )
                 linear.append(state if stepwise else new_state)  # stepwise: `keep_prefix` picks the state
                 if stepwise:
                     steps.append(new_state)
-            x_BxTxH = layer.finish(x_BxTxH, mixed_BxTxH)
+            x_BxTxH = residual(layer.finish(x_BxTxH, mixed_BxTxH))
             aux[index] = x_BxTxH
         hidden_BxTxH = self.final_norm(x_BxTxH)
         aux_BxTxAxH = jnp.stack([aux[i] for i in aux_layer_ids], axis=2) if aux_layer_ids else None

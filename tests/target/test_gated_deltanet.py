@@ -1,6 +1,7 @@
 """Gated DeltaNet against transformers' torch references: the chunked and recurrent delta rules, the causal
-conv and the whole Qwen 3.5 layer; and the layer's ways through a sequence (whole, continued from a state
-token by token or by blocks, blocks kept to a per-row prefix, right padding) equal to each other."""
+conv and the whole Qwen 3.5 layer, packed rows of several samples against each sample alone; and the
+layer's ways through a sequence (whole, continued from a state token by token or by blocks, blocks kept to
+a per-row prefix, right padding) equal to each other."""
 
 import functools
 
@@ -33,6 +34,21 @@ LAYER = dict(hidden=32, key_heads=2, value_heads=4, key_dim=8, value_dim=8, conv
 
 # The rules jitted: each shape compiles once for the whole file.
 _chunked = jax.jit(chunked_delta_rule, static_argnames="chunk")
+# Packed rows of T = 41 tokens (chunks of 16): samples that start inside a chunk, on a chunk boundary (32,
+# 16), one of one token, one spanning two chunk boundaries.
+SAMPLE_LENGTHS = [(10, 22, 9), (16, 1, 24)]
+
+
+def _sample_ids():
+    return np.stack([np.repeat(np.arange(len(lengths)), lengths) for lengths in SAMPLE_LENGTHS])
+
+
+def _segments(row):
+    """(start, end) of each sample of packed row `row`."""
+    ends = np.cumsum(SAMPLE_LENGTHS[row])
+    return list(zip(ends - np.asarray(SAMPLE_LENGTHS[row]), ends))
+
+
 _recurrent = jax.jit(recurrent_delta_rule, static_argnames="all_states")
 
 
@@ -102,6 +118,31 @@ def test_chunked_continued_from_its_state_equals_the_whole_sequence():
     second, end = _chunked(q[:, 20:], k[:, 20:], v[:, 20:], g[:, 20:], beta[:, 20:], mid, chunk=16)
     np.testing.assert_allclose(np.concatenate([first, second], 1), whole, **TOL)
     np.testing.assert_allclose(end, final, **TOL)
+
+
+def test_packed_rows_restart_the_chunked_rule_where_each_sample_starts():
+    """Each sample of a packed row against the torch chunked rule on that sample alone: the first from the
+    initial state, later ones from zero; the final state is the last sample's."""
+    q, k, v, g, beta, state = _inputs(T, seed=5)
+    out, final = _chunked(*_ours(q, k, v, g, beta, state), chunk=16, sample_BxT=jnp.asarray(_sample_ids()))
+    for row in range(B):
+        for n, (start, end) in enumerate(_segments(row)):
+            piece = [x[row : row + 1, start:end] for x in (q, k, v, g, beta)]
+            first = state[row : row + 1] if n == 0 else None
+            ref_out, ref_state = _torch(qwen3_next.torch_chunk_gated_delta_rule, *piece, first, chunk_size=16)
+            got = np.asarray(out[row, start:end])
+            np.testing.assert_allclose(got, ref_out[0], **TOL, err_msg=f"row {row} sample {n}")
+        np.testing.assert_allclose(np.asarray(final[row]), ref_state[0], **TOL)
+
+
+def test_causal_conv_of_a_packed_row_equals_each_sample_alone():
+    x = np.random.default_rng(6).normal(size=(B, T, 3, 5)).astype(np.float32)
+    taps = jnp.asarray(np.random.default_rng(7).normal(size=(4, 3, 5)).astype(np.float32))
+    y, _ = causal_conv(jnp.asarray(x), taps, sample_BxT=jnp.asarray(_sample_ids()))
+    for row in range(B):
+        for start, end in _segments(row):
+            alone, _ = causal_conv(jnp.asarray(x[row : row + 1, start:end]), taps)
+            np.testing.assert_allclose(np.asarray(y[row, start:end]), alone[0], rtol=1e-6, atol=1e-6)
 
 
 def test_causal_conv_equals_torch_conv1d_and_continues_from_its_window():

@@ -123,3 +123,40 @@ def test_blocks_rolled_back_to_each_rows_prefix_equal_appending_only_that_prefix
         np.testing.assert_allclose(
             got[row : row + 1], want, rtol=1e-4, atol=1e-5, err_msg=f"row {row} kept {n}"
         )
+
+
+@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+def test_packed_rows_equal_each_sample_alone(family):
+    """Two packed rows of 128 tokens (chunks of 64): samples that start inside a chunk and on a chunk's
+    first slot (64), span a chunk boundary, or hold one token, then padding (position 0, each pad its own
+    sample). Every sample's aux layers (linear and full attention) and final state equal its forward
+    alone: the recurrence, the conv window and attention all restart where the positions do."""
+    _, model = _pair(family)
+    lengths = [(23, 70, 9), (64, 1, 50)]
+    t = 128
+    rng = np.random.RandomState(2)
+    ids, positions, spans = np.zeros((2, t), np.int32), np.zeros((2, t), np.int32), []
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for n in row_lengths:
+            ids[row, start : start + n] = rng.randint(3, VOCAB, n)
+            positions[row, start : start + n] = np.arange(n)
+            spans.append((row, start, start + n))
+            start += n
+    layers = (-1, 0, 1, 2, 3)
+    packed = model(jnp.asarray(ids), positions_BxT=jnp.asarray(positions), aux_layer_ids=layers)
+    # Each sample alone: one right-padded row per sample, in one forward.
+    longest = max(end - start for _, start, end in spans)
+    alone_ids, valid = np.zeros((len(spans), longest), np.int32), np.zeros((len(spans), longest), bool)
+    for k, (row, start, end) in enumerate(spans):
+        alone_ids[k, : end - start], valid[k, : end - start] = ids[row, start:end], True
+    alone = model(jnp.asarray(alone_ids), valid_BxT=jnp.asarray(valid), aux_layer_ids=layers)
+    for k, (row, start, end) in enumerate(spans):
+        for name in ("aux_BxTxAxH", "hidden_BxTxH"):
+            np.testing.assert_allclose(
+                np.asarray(getattr(packed, name)[row, start:end]),
+                np.asarray(getattr(alone, name)[k, : end - start]),
+                rtol=1e-5,
+                atol=1e-5,
+                err_msg=f"{name} of the sample at {row}:{start}",
+            )

@@ -31,32 +31,13 @@ CATEGORIES = (
 )
 
 
-# The smoke preset with a tiny Qwen3-Next-shaped target: 3 Gated DeltaNet layers and one gated full-attention
-# layer (the aux layers 1-3 are of both kinds), every MLP 2 of 8 experts plus a shared expert.
-SMOKE_HYBRID_MOE = dict(
-    base.SMOKE_TARGET,
-    family="qwen3_next",
-    layer_types=("linear_attention",) * 3 + ("full_attention",),
-    attn_output_gate=True,
-    partial_rotary_factor=0.25,
-    norm_unit_offset=True,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-)
 FORWARD_CATEGORIES = ("expert_parameters", "other_target_state", "batch", "outputs", "temporaries")
 
 
 def _smoke_hybrid_moe():
     config = baseline.get_config("smoke")
     with config.unlocked():
-        config.target.arch = config_dict.ConfigDict(SMOKE_HYBRID_MOE)
+        config.target.arch = config_dict.ConfigDict(base.SMOKE_HYBRID_TARGET)
     return config
 
 
@@ -90,9 +71,8 @@ def test_sharded_devices_split_state_and_batch():
 
 def test_the_online_step_holds_the_whole_target_and_reads_token_rows_only():
     """`data.features=online` on 8 devices: the frozen target's every weight sharded by the rules (one
-    eighth each), a batch without states, and the target's forward among the step's temporaries."""
+    eighth each), a batch without states, and the draft's activations sharded as offline."""
     config = _smoke_hybrid_moe()
-    config.data.pack = False  # the hybrid target's recurrence cannot run across packed samples
     offline = step_memory(config, micro_batch=2, devices=jax.devices()[:8])
     config.data.features = "online"
     on = step_memory(config, micro_batch=2, devices=jax.devices()[:8])
@@ -103,8 +83,14 @@ def test_the_online_step_holds_the_whole_target_and_reads_token_rows_only():
     assert per["frozen_target"] == off["frozen_target"] and per["parameters"] == off["parameters"]
     t, h, a = config.data.max_length, config.target.arch.hidden_size, len(config.data.aux_layer_ids)
     assert off["batch"] - per["batch"] == 2 * t * h * (a + 1) * 2  # two rows' bf16 states, no more
-    assert per["micro_step_temporaries"] > off["micro_step_temporaries"]
-    assert on["estimated_peak_bytes"] > offline["estimated_peak_bytes"] + per["online_target_state"]
+    # The draft keeps its rows on their batch shards online (the target's residual stream is pinned to
+    # them): its temporaries are the offline step's, plus at most the target forward's own, which are
+    # freed before the draft's backward. Unpinned, every device computed all 16 rows' draft logits here
+    # (+250 MB, 3x the offline step).
+    forward = target_forward_memory(config, rows=2, devices=jax.devices()[:8])["per_device_bytes"]
+    extra = per["micro_step_temporaries"] - off["micro_step_temporaries"]
+    print("online - offline micro-step temporaries:", extra, "target forward's:", forward["temporaries"])
+    assert 0 <= extra <= forward["temporaries"]
 
 
 def test_topology_table():

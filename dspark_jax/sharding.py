@@ -92,6 +92,15 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     )
 
 
+def constrain_rows(x_Bx: jax.Array) -> jax.Array:
+    """`x` pinned to its rows' batch shards, the other axes whole: `constrain(x, ("batch", None, ...))`, but
+    the identity on a one-device mesh, where the constraint would change nothing but where XLA cuts its
+    fusions (and so the float sums' order)."""
+    if not _active() or _ACTIVE[-1][0].size == 1:
+        return x_Bx
+    return constrain(x_Bx, ("batch",) + (None,) * (x_Bx.ndim - 1))
+
+
 def constrain_state(state: nnx.State) -> nnx.State:
     """An NNX state (parameters, or gradients shaped like them) pinned to its variables' `axes` layout
     (identity where `constrain` is): FSDP gradients reduce-scattered to their shards, not all-reduced to a

@@ -287,8 +287,7 @@ class Transformer(nnx.Module):
 
         # The residual stream stays on its rows' batch shards (weights are gathered to it, FSDP-style), as
         # the draft's activations do; the identity outside `sharding.activation_sharding`.
-        residual = lambda x_BxTxH: sharding.constrain(x_BxTxH, ("batch", None, None))
-        x_BxTxH = residual(self.embed(tokens_BxT))
+        x_BxTxH = sharding.constrain_rows(self.embed(tokens_BxT))
         aux = {-1: x_BxTxH}
         ks, vs, linear, steps = [], [], [], []
         inv_freq = self.inv_freq.get_value()
@@ -309,7 +308,7 @@ class Transformer(nnx.Module):
                 linear.append(state if stepwise else new_state)  # stepwise: `keep_prefix` picks the state
                 if stepwise:
                     steps.append(new_state)
-            x_BxTxH = residual(layer.finish(x_BxTxH, mixed_BxTxH))
+            x_BxTxH = sharding.constrain_rows(layer.finish(x_BxTxH, mixed_BxTxH))
             aux[index] = x_BxTxH
         hidden_BxTxH = self.final_norm(x_BxTxH)
         aux_BxTxAxH = jnp.stack([aux[i] for i in aux_layer_ids], axis=2) if aux_layer_ids else None

@@ -70,24 +70,25 @@ def chunked_delta_rule(
     q_NxBxJxSxD, k_NxBxJxSxD, v_NxBxJxSxY = chunks(q_BxTxJxD), chunks(k_BxTxJxD), chunks(v_BxTxJxY)
     g_NxBxJxS, beta_NxBxJxS = chunks(g_BxTxJ), chunks(beta_BxTxJ)
     cum_NxBxJxS = jnp.cumsum(g_NxBxJxS, axis=-1)  # log decay from the chunk's start through slot s
-    lower_NxBxJxSxS = jnp.tril(jnp.ones((chunk, chunk), bool))[None, None, None]
-    # carry[s]: slot s continues the sequence of the state the chunk starts from (always, unpacked).
-    carry_NxBxJxS = jnp.ones((n, b, 1, chunk), bool)
+    lower_SxS = jnp.tril(jnp.ones((chunk, chunk), bool))
+    # seen[i, s]: slot i reads slot s's write (s <= i, the same sample); carry[s]: slot s continues the
+    # sequence of the state the chunk starts from (always, unpacked).
+    seen_NxBxJxSxS, carry_NxBxJxS = lower_SxS, jnp.ones((n, b, 1, chunk), bool)
     if sample_BxT is not None:
         sample_NxBxS = jnp.pad(sample_BxT, [(0, 0), (0, pad)], mode="edge").reshape(b, n, chunk)
         sample_NxBxS = sample_NxBxS.swapaxes(0, 1)
         before_NxBx1 = jnp.concatenate([sample_NxBxS[:1, :, :1], sample_NxBxS[:-1, :, -1:]], axis=0)
         carry_NxBxJxS = (sample_NxBxS == before_NxBx1)[:, :, None]
         same_NxBxJxSxS = (sample_NxBxS[..., :, None] == sample_NxBxS[..., None, :])[:, :, None]
-        lower_NxBxJxSxS = lower_NxBxJxSxS & same_NxBxJxSxS
-    # decay[i, s] = exp(cum_i - cum_s) for s <= i (same sample): what slot s's write has decayed to at i.
+        seen_NxBxJxSxS = lower_SxS & same_NxBxJxSxS
+    # decay[i, s] = exp(cum_i - cum_s) where i sees s: what slot s's write has decayed to at slot i.
     gap_NxBxJxSxS = cum_NxBxJxS[..., :, None] - cum_NxBxJxS[..., None, :]
-    decay_NxBxJxSxS = jnp.where(lower_NxBxJxSxS, jnp.exp(jnp.where(lower_NxBxJxSxS, gap_NxBxJxSxS, 0.0)), 0.0)
+    decay_NxBxJxSxS = jnp.where(seen_NxBxJxSxS, jnp.exp(jnp.where(seen_NxBxJxSxS, gap_NxBxJxSxS, 0.0)), 0.0)
     dot = lambda a, c: jnp.einsum("...id,...sd->...is", a, c, precision=_HIGHEST)
     k_beta_NxBxJxSxD = k_NxBxJxSxD * beta_NxBxJxS[..., None]
     # Slot i writes u_i - w_i S0 (S0 the state at the chunk's start), where [u, w] solve
     # (I + strictly_lower(beta k k^T * decay)) [u, w] = [beta v, beta k exp(cum)].
-    strict_SxS = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
+    strict_SxS = jnp.tril(lower_SxS, -1)
     system_NxBxJxSxS = jnp.where(strict_SxS, dot(k_beta_NxBxJxSxD, k_NxBxJxSxD) * decay_NxBxJxSxS, 0.0)
     # exp(cum) where the slot reads the incoming state, else 0 (a sample that starts inside the chunk).
     from_start_NxBxJxS = jnp.where(carry_NxBxJxS, jnp.exp(cum_NxBxJxS), 0.0)
@@ -181,14 +182,13 @@ def causal_conv(
         history = jnp.zeros((x.shape[0], k - 1, *x.shape[2:]), x.dtype)
     window = jnp.concatenate([history.astype(x.dtype), x], axis=1)
     taps32, window32 = taps.astype(jnp.float32), window.astype(jnp.float32)
+    inputs = [window32[:, i : i + t] for i in range(k)]  # what tap i reads at each position
     if sample_BxT is not None:  # the window's sample numbers, -1 for the (zero) history
         owner_BxT = jnp.pad(sample_BxT, [(0, 0), (k - 1, 0)], constant_values=-1)
         channels = (1,) * (x.ndim - 2)
         same = lambda i: (owner_BxT[:, i : i + t] == sample_BxT).reshape(*sample_BxT.shape, *channels)
-        window32 = [jnp.where(same(i), window32[:, i : i + t], 0.0) for i in range(k)]
-    else:
-        window32 = [window32[:, i : i + t] for i in range(k)]
-    y = sum(tap * taps32[i] for i, tap in enumerate(window32))
+        inputs = [jnp.where(same(i), tap_input, 0.0) for i, tap_input in enumerate(inputs)]
+    y = sum(tap_input * taps32[i] for i, tap_input in enumerate(inputs))
     return jax.nn.silu(y).astype(x.dtype), window
 
 

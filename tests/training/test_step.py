@@ -133,11 +133,17 @@ def _bits(state):
 
 
 def _assert_close_states(a, b):
-    """Every leaf of two equally structured pytrees equal to float32 rounding (rtol 1e-5)."""
+    """Every leaf of two equally structured pytrees equal within 1e-4 of the leaf's largest magnitude.
+
+    Scaled by the leaf, not by each element: Adam divides a first moment by the root of a second, so an
+    element whose gradients nearly cancel across steps turns float32 rounding into a relative error of
+    1e-5 or more (JAX 0.12: 2.8e-7 absolute, 7.9e-6 of its leaf's largest element). A wrong gradient moves
+    a parameter by a whole learning-rate step, 1e-2 here, and its moments by their own size."""
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(leaves_a) == len(leaves_b)
     for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-8)
+        y = np.asarray(y)
+        np.testing.assert_allclose(np.asarray(x), y, rtol=0, atol=1e-4 * np.abs(y).max(initial=0.0))
 
 
 def test_frozen_group_differentiates_only_the_reranker_with_the_full_gradient_result(mesh1):

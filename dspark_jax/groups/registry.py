@@ -52,6 +52,11 @@ class Experiment:
       proposer: how the draft makes a block at inference (`inference.engine.Proposer`).
       config_class: the draft config built from the config's whole `draft` section.
       trainable: params -> pytree of bools (False = frozen parameter); None = all trainable.
+      prefixes: `(draft, frozen, batch) -> (anchors [B, N], block_keep [B, N])`, for a group whose own figures
+        are measured on prefixes it picks itself rather than on the batch's anchors (Draft Memory: the
+        stage-2 anchors after its stage-1 draft's first error), block `n` in the sample of the batch's block
+        `n`; evaluation then measures every other group on the same prefixes too
+        (`training.evaluation.evaluate_on_prefixes`). None = the batch's anchors.
       init_from: the group whose checkpoint (`config.init.checkpoint`, at `config.init.step`) a new run
         starts from: its parameters are restored into the same names (an exact match, checked), the
         rest keep their initialisation; None = from scratch.
@@ -93,6 +98,7 @@ class Experiment:
     proposer: Proposer = DSPARK_PROPOSER
     config_class: type[DraftConfig] = DraftConfig
     trainable: Callable[[Any], Any] | None = None
+    prefixes: Callable[[nnx.Module, FrozenTarget, Batch], tuple[jax.Array, jax.Array]] | None = None
     init_from: str | None = None
     shape_keys: tuple[str, ...] = ()
     resumable_keys: tuple[str, ...] = ()

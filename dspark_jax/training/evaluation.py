@@ -1,4 +1,10 @@
-"""Teacher-forced evaluation of a draft on a validation cache (`eval/tau_prob`, `accept_rate_i`, ...)."""
+"""Teacher-forced evaluation of a draft on a validation cache (`eval/tau_prob`, `accept_rate_i`, ...).
+
+Besides the summed metrics, a checkpoint's evaluation can keep per validation sample the sums its tau_prob
+and accept rates are ratios of (`SampleSums`: the unit the report's intervals resample), and can measure a
+draft on the prefixes another group picks (`Experiment.prefixes`, e.g. Draft Memory's stage-2 anchors), so
+that groups are compared on the same prefixes.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from dspark_jax.data.pipeline import make_iterator, to_global
 from dspark_jax.draft import objective
 from dspark_jax.groups import Experiment
 from dspark_jax.run import config_lib, draft_state, sources, target_side
+from dspark_jax.target import TargetConfig
 from dspark_jax.training import step as step_lib
 
 
@@ -60,11 +67,13 @@ def evaluate(
 class Validation(NamedTuple):
     """A trained draft with what evaluating it on the validation cache of its config needs."""
 
+    config: object
     experiment: Experiment
     graphdef: nnx.GraphDef
     params: nnx.State
     rest: nnx.State
     step: int
+    target: TargetConfig
     frozen: object
     features: step_lib.Features | None  # online training: the target forward before each step
     samples: int
@@ -86,11 +95,13 @@ def open_validation(config, checkpoint: str | os.PathLike) -> Validation:
     )
     experiment = groups.get(config.experiment)
     return Validation(
+        config,
         experiment,
         graphdef,
         params,
         rest,
         step,
+        side.config,
         side.frozen,
         side.features,
         len(source),
@@ -118,25 +129,151 @@ def evaluate_checkpoint(config, checkpoint: str | os.PathLike) -> dict[str, floa
     return {"step": v.step, "samples": v.samples, **metrics}
 
 
-def block_records(v: Validation) -> list[dict[str, np.ndarray]]:
-    """Per validation micro-batch, the teacher-forced per-block records of `objective.recording_blocks`
-    (`[rows, N, S]` arrays) of the experiment's own evaluation forward."""
+class Prefixes(NamedTuple):
+    """A trained draft of a group that picks its own prefixes (`Experiment.prefixes`): the source of the
+    blocks other drafts are measured on, picked per validation batch."""
 
-    def records(params, rest, frozen, batch):
+    experiment: Experiment
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    rest: nnx.State
+    step: int
+
+
+# What fixes the validation batches (and so each block's sample and uniform anchor): two drafts measured on
+# the same prefixes must agree on all of it.
+SAME_BATCH_KEYS = ("seed", "data", "target", "train.global_batch", "train.grad_accum")
+
+
+def open_prefixes(v: Validation, config, checkpoint: str | os.PathLike) -> Prefixes:
+    """The draft of `checkpoint` (a run of `config`) as the source of the prefixes `v` is measured on, or a
+    one-line error: its group picks no prefixes or reads side inputs, `v`'s group picks other prefixes, or
+    the two configs would give other validation batches."""
+    experiment = groups.get(config.experiment)
+    if experiment.prefixes is None:
+        pickers = [e.name for e in groups.registered() if e.prefixes is not None]
+        raise config_lib.UsageError(
+            f"{checkpoint} is a {config.experiment!r} run, a group without prefixes of its own; give a "
+            f"checkpoint of one of {pickers}"
+        )
+    if experiment.side_inputs is not None:
+        raise config_lib.UsageError(f"group {config.experiment!r} reads side inputs: it cannot pick prefixes")
+    if v.experiment.prefixes is not None and v.experiment.name != experiment.name:
+        raise config_lib.UsageError(
+            f"group {v.experiment.name!r} picks its own prefixes; it cannot be measured on "
+            f"{experiment.name!r}'s"
+        )
+    if diff := config_lib.differing_keys(v.config, config, SAME_BATCH_KEYS):
+        raise config_lib.UsageError(
+            f"{checkpoint} was trained with another {diff[0]} than the draft measured on its prefixes; their "
+            "validation batches differ (a suite's groups share them)"
+        )
+    graphdef, params, rest, step = draft_state.restore_draft(config, v.target, v.mesh, checkpoint)
+    return Prefixes(experiment, graphdef, params, rest, step)
+
+
+def evaluation_with_records(
+    experiment: Experiment,
+    model: nnx.Module,
+    frozen,
+    batch: Mapping[str, jax.Array],
+    prefixes: tuple[Experiment, nnx.Module] | None = None,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """`(sums, records)`: the experiment's evaluation sums and per-block records
+    (`objective.recording_blocks`) of `model` on the batch's anchors, or on the prefixes that
+    `prefixes = (group, its draft)` picks (a group that picks its own is measured as it is: `open_prefixes`
+    checked that they are that group's)."""
+    if prefixes is not None and experiment.prefixes is None:
+        picker_group, picker = prefixes
+        anchors_BxN, keep_BxN = picker_group.prefixes(picker, frozen, batch)
+        batch = {**batch, "anchors": anchors_BxN, "block_keep": keep_BxN}
+    with objective.recording_blocks() as recorded:
+        sums = experiment.evaluation_sums(model, frozen, batch)
+    if len(recorded) != 1:
+        raise ValueError(
+            f"experiment {experiment.name!r}: its evaluation computes the objective {len(recorded)} "
+            "times; block records need exactly one"
+        )
+    return sums, {k: x.astype(jnp.float32) for k, x in recorded[0].items()}
+
+
+def _records_fn(v: Validation, prefixes: Prefixes | None) -> Callable:
+    """Jitted `(params, rest, prefix_params, prefix_rest, frozen, batch) -> (sums, records)` of
+    `evaluation_with_records` (online training: the target's states first)."""
+
+    def run(params, rest, prefix_params, prefix_rest, frozen, batch):
         batch = batch if v.features is None else v.features(frozen, batch)
-        with objective.recording_blocks() as recorded:
-            v.experiment.evaluation_sums(nnx.merge(v.graphdef, params, rest), frozen, batch)
-        if len(recorded) != 1:
-            raise ValueError(
-                f"experiment {v.experiment.name!r}: its evaluation computes the objective {len(recorded)} "
-                "times; block records need exactly one"
-            )
-        return {k: x.astype(jnp.float32) for k, x in recorded[0].items()}
+        picker = None
+        if prefixes is not None:
+            picker = (prefixes.experiment, nnx.merge(prefixes.graphdef, prefix_params, prefix_rest))
+        model = nnx.merge(v.graphdef, params, rest)
+        return evaluation_with_records(v.experiment, model, frozen, batch, picker)
 
-    fn = jax.jit(records)
-    out = []
+    return jax.jit(run)
+
+
+def _measured_batches(v: Validation, prefixes: Prefixes | None) -> Iterator[tuple[dict, dict, np.ndarray]]:
+    """Per validation micro-batch: its sums, its block records (`[rows, N, S]`) and each block's sample key
+    `[rows, N, 3]` (micro-batch, row, the sample's first index in the row)."""
+    fn = _records_fn(v, prefixes)
+    prefix_state = (None, None) if prefixes is None else (prefixes.params, prefixes.rest)
     with sharding.activation_sharding(v.mesh, v.rules):
-        for batch in v.batches:
-            arrays = fn(v.params, v.rest, v.frozen, to_global(device_fields(batch), v.mesh, v.rules))
-            out.append({k: np.asarray(x) for k, x in jax.device_get(arrays).items()})
-    return out
+        for index, batch in enumerate(v.batches):
+            fields = device_fields(batch)
+            sums, records = fn(v.params, v.rest, *prefix_state, v.frozen, to_global(fields, v.mesh, v.rules))
+            sums, records = jax.device_get((sums, records))
+            anchors_BxN = np.asarray(batch["anchors"])
+            rows_BxN = np.broadcast_to(np.arange(anchors_BxN.shape[0])[:, None], anchors_BxN.shape)
+            starts_BxN = anchors_BxN - np.take_along_axis(np.asarray(batch["positions"]), anchors_BxN, axis=1)
+            keys = np.stack([np.full_like(anchors_BxN, index), rows_BxN, starts_BxN], axis=-1)
+            yield sums, {k: np.asarray(x) for k, x in records.items()}, keys
+
+
+def block_records(v: Validation, prefixes: Prefixes | None = None) -> list[dict[str, np.ndarray]]:
+    """Per validation micro-batch, the teacher-forced per-block records of `objective.recording_blocks`
+    (`[rows, N, S]` arrays) of the experiment's own evaluation forward (on `prefixes`' blocks if given)."""
+    return [records for _, records, _ in _measured_batches(v, prefixes)]
+
+
+class SampleSums(NamedTuple):
+    """Per validation sample (`K` of them, ordered by key), the sums its tau_prob and accept rates are
+    ratios of: tau_prob = `tau.sum() / blocks.sum()`, accept_rate_i = `accept[:, i].sum() /
+    accept_count[:, i].sum()` (as `objective.metrics_from_sums` divides them)."""
+
+    keys_Kx3: np.ndarray  # (micro-batch, row, first index in the row): pairs two drafts' samples
+    tau_K: np.ndarray
+    blocks_K: np.ndarray
+    accept_KxS: np.ndarray
+    accept_count_KxS: np.ndarray
+
+
+def sample_sums(records: Mapping[str, np.ndarray], keys_BxNx3: np.ndarray) -> SampleSums:
+    """`SampleSums` of block records (`[rows, N, S]`, micro-batches concatenated along rows) and their
+    blocks' sample keys; a sample without a valid block keeps zero sums."""
+    mask_XxS = records["eval_mask"].reshape(-1, records["eval_mask"].shape[-1]).astype(np.float64)
+    accepted_XxS = records["overlap"].reshape(mask_XxS.shape) * mask_XxS
+    valid_X = mask_XxS[:, 0] > 0
+    tau_X = np.where(valid_X, 1.0 + np.cumprod(accepted_XxS, axis=-1).sum(-1), 0.0)
+    keys_Kx3, sample_X = np.unique(keys_BxNx3.reshape(-1, 3), axis=0, return_inverse=True)
+    sample_X = sample_X.reshape(-1)
+    total = lambda x_X: np.bincount(sample_X, weights=x_X, minlength=len(keys_Kx3))
+    per_position = lambda x_XxS: np.stack([total(x_XxS[:, i]) for i in range(x_XxS.shape[1])], axis=1)
+    blocks_K = total(valid_X.astype(np.float64))
+    return SampleSums(keys_Kx3, total(tau_X), blocks_K, per_position(accepted_XxS), per_position(mask_XxS))
+
+
+def measure_checkpoint(
+    v: Validation, prefixes: Prefixes | None = None
+) -> tuple[dict[str, float], SampleSums]:
+    """One pass over `v`'s validation batches: the metrics (as `evaluate`, on `prefixes`' blocks if given)
+    and the per-sample sums of tau_prob and the accept rates."""
+    total, records, keys = None, [], []
+    for sums, batch_records, batch_keys in _measured_batches(v, prefixes):
+        total = sums if total is None else jax.tree.map(np.add, total, sums)
+        records.append(batch_records)
+        keys.append(batch_keys)
+    if total is None:
+        raise ValueError("the validation cache yields no batch; it needs at least one micro-batch of samples")
+    metrics = {k: float(x) for k, x in jax.device_get(v.experiment.metrics(total)).items()}
+    joined = {k: np.concatenate([r[k] for r in records]) for k in ("overlap", "eval_mask")}
+    return metrics, sample_sums(joined, np.concatenate(keys))

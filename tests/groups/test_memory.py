@@ -294,7 +294,7 @@ def _reference_two_stage(p, emb, lm_head, mask_vec, batch):
     out = _metrics(p, h2, lm_head, batch, new_anchors, new_keep)
     out["stage1_mean_matches"] = np.mean(matches)
     out["transition_kept"] = out["valid_blocks"] / len(matches)
-    return out, matches
+    return out, matches, (new_anchors, new_keep)
 
 
 @pytest.mark.parametrize("attention", ["xla", "reference"])
@@ -304,6 +304,21 @@ def test_two_stages_match_a_float64_numpy_reference(attention):
     into the next packed sample (dropped)."""
     cfg = dataclasses.replace(MEMORY_CFG, attention=attention)
     model, params, frozen = _model(seed=7, cfg=cfg)
+    batch = crafted_batch(model, params, frozen)
+    got = memory.memory_metrics(memory.memory_sums(model, frozen, batch))
+    mask_vec = params["mask_embedding"]
+    lm_head = np.asarray(frozen.lm_head_HxV, np.float64)
+    want, matches, _ = _reference_two_stage(params, frozen.embedding_VxH, lm_head, mask_vec, batch)
+    assert matches == [2, 0, 7, 4, 1, 6, 3, 7]
+    assert want["valid_blocks"] == 6  # two of eight transitions dropped
+    for name, value in want.items():
+        np.testing.assert_allclose(float(got[name]), value, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert float(got["stage1_matches_7"]) == 2 / 8 and float(got["memory_block_fraction"]) < 1.0
+
+
+def crafted_batch(model, params, frozen):
+    """Row 0 plain, row 1 two packed samples; each block's continuation follows the stage-1 draft's greedy
+    choices for `[[2, 0, 7, 4], [1, 6, 3, 7]]` tokens, then departs from it."""
     rng = np.random.default_rng(8)
     t = 40
     anchors = np.asarray([[2, 12, 22, 31], [3, 13, 22, 30]], np.int32)
@@ -323,11 +338,4 @@ def test_two_stages_match_a_float64_numpy_reference(attention):
         if k < 7:
             ids[b, a + 1 + k] = (drafts[k] + 1) % V
     batch["input_ids"] = jnp.asarray(ids)
-    got = memory.memory_metrics(memory.memory_sums(model, frozen, batch))
-    mask_vec = params["mask_embedding"]
-    want, matches = _reference_two_stage(params, frozen.embedding_VxH, lm_head, mask_vec, batch)
-    assert matches == [2, 0, 7, 4, 1, 6, 3, 7]
-    assert want["valid_blocks"] == 6  # two of eight transitions dropped
-    for name, value in want.items():
-        np.testing.assert_allclose(float(got[name]), value, rtol=1e-4, atol=1e-5, err_msg=name)
-    assert float(got["stage1_matches_7"]) == 2 / 8 and float(got["memory_block_fraction"]) < 1.0
+    return batch

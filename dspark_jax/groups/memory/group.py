@@ -29,6 +29,27 @@ from dspark_jax.groups.registry import Batch, DecodeOption, Experiment, register
 from dspark_jax.inference import engine
 
 
+def _stage1(stage1: memory_lib.MemoryDraft, frozen: FrozenTarget, batch: Batch):
+    """Stage 1 on the batch's anchors (no memory, no gradient): its block targets, states `h1`, leading
+    matches `m` and the transition to the stage-2 anchors `a' = a + m + 1`."""
+    anchors_BxN, keep_BxN = batch["anchors"], batch["block_keep"]
+    targets1, h1_BxNxSxH = block_states(stage1, frozen, batch, anchors_BxN, keep_BxN)
+    h1_BxNxSxH = jax.lax.stop_gradient(h1_BxNxSxH)
+    matches_BxN = jax.lax.stop_gradient(memory_lib.leading_matches(stage1, frozen, h1_BxNxSxH, targets1))
+    step = memory_lib.transition(anchors_BxN, matches_BxN, keep_BxN, batch["loss_mask"], batch["positions"])
+    return targets1, h1_BxNxSxH, matches_BxN, step
+
+
+def stage2_prefixes(
+    model: memory_lib.MemoryDraft, frozen: FrozenTarget, batch: Batch
+) -> tuple[jax.Array, jax.Array]:
+    """The prefixes Draft Memory's figures are measured on: the stage-2 anchors `a' = a + m + 1` of the
+    batch's blocks (`m` from this draft's own memory-free stage-1 pass) and which of them are kept, each
+    `[B, N]`; block `n` stays in the sample of the batch's block `n`."""
+    _, _, _, step = _stage1(model, frozen, batch)
+    return step.anchors_BxN, step.keep_BxN
+
+
 def two_stage_sums(
     stage1: memory_lib.MemoryDraft, model: memory_lib.MemoryDraft, frozen: FrozenTarget, batch: Batch
 ) -> dict[str, jax.Array]:
@@ -40,11 +61,8 @@ def two_stage_sums(
     a valid first prediction: the blocks the loss sees), `memory_blocks` (those with at least one memory
     slot) and `memory_slots` (their summed memory length).
     """
-    anchors_BxN, keep_BxN = batch["anchors"], batch["block_keep"]
-    targets1, h1_BxNxSxH = block_states(stage1, frozen, batch, anchors_BxN, keep_BxN)
-    h1_BxNxSxH = jax.lax.stop_gradient(h1_BxNxSxH)
-    matches_BxN = jax.lax.stop_gradient(memory_lib.leading_matches(stage1, frozen, h1_BxNxSxH, targets1))
-    step = memory_lib.transition(anchors_BxN, matches_BxN, keep_BxN, batch["loss_mask"], batch["positions"])
+    anchors_BxN = batch["anchors"]
+    targets1, h1_BxNxSxH, matches_BxN, step = _stage1(stage1, frozen, batch)
     memory = model.memory(h1_BxNxSxH, anchors_BxN, matches_BxN, step.keep_BxN)
     targets2, h2_BxNxSxH = block_states(model, frozen, batch, step.anchors_BxN, step.keep_BxN, memory)
     sums = objective_sums(model, frozen, batch, step.anchors_BxN, targets2, h2_BxNxSxH)
@@ -142,7 +160,8 @@ MEMORY = register(
         name="memory",
         label="Draft Memory",
         suites=("seed",),
-        report_note="Draft Memory's tau_prob is measured on its stage-2 anchors.",
+        report_note="Draft Memory's own tau_prob is measured on its stage-2 anchors.",
+        prefixes=stage2_prefixes,
         build_draft=memory_lib.MemoryDraft,
         train_sums=memory_sums,
         metrics=memory_metrics,

@@ -1,6 +1,5 @@
-"""Groups measured on the same prefixes (Draft Memory's stage-2 anchors) and per-sample sums of the metrics."""
+"""Groups measured on the same prefixes (Draft Memory's stage-2 anchors); per-sample sums of the metrics."""
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -34,8 +33,8 @@ def test_baseline_and_memory_measured_on_the_same_prefixes_match_a_float64_refer
     np.testing.assert_array_equal(np.asarray(picked_anchors)[keep == 1], anchors[keep == 1])
     assert not np.array_equal(anchors, np.asarray(batch["anchors"]))  # other prefixes than the batch's
 
-    picker = (memory.MEMORY, mem_model)
-    base_sums, base_records = evaluation_with_records(groups.get("baseline"), base_model, frozen, batch, picker)
+    picker, base_group = (memory.MEMORY, mem_model), groups.get("baseline")
+    base_sums, base_records = evaluation_with_records(base_group, base_model, frozen, batch, picker)
     mem_sums, mem_records = evaluation_with_records(memory.MEMORY, mem_model, frozen, batch, picker)
     np.testing.assert_array_equal(base_records["eval_mask"], mem_records["eval_mask"])  # the same blocks
     for want, sums in ((want_base, base_sums), (want_memory, mem_sums)):

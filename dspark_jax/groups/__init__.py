@@ -10,6 +10,7 @@ from dspark_jax.groups.engram import group as engram_group
 from dspark_jax.groups.memory import group as memory_group
 from dspark_jax.groups.registry import (
     DecodeOption,
+    Design,
     Experiment,
     decode_options,
     find,
@@ -22,6 +23,7 @@ from dspark_jax.groups.reranker import group as reranker_group
 
 __all__ = [
     "DecodeOption",
+    "Design",
     "Experiment",
     "baseline",
     "decode_options",

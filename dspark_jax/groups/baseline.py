@@ -8,7 +8,7 @@ import jax
 
 from dspark_jax.draft import blocks, objective
 from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget
-from dspark_jax.groups.registry import Batch, Experiment, register
+from dspark_jax.groups.registry import Batch, Design, Experiment, register
 
 
 def block_states(
@@ -81,6 +81,16 @@ def draft_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[s
 
 BASELINE = register(
     Experiment(
-        name="baseline", build_draft=DSparkDraft, train_sums=draft_sums, label="Baseline", suites=("seed",)
+        name="baseline",
+        build_draft=DSparkDraft,
+        train_sums=draft_sums,
+        label="Baseline",
+        suites=("seed",),
+        design=Design(
+            initialisation="from scratch",
+            updates="the whole draft (backbone, Markov head, confidence head), DSpark loss",
+            adds="nothing: the reference",
+            question="how far the original DSpark structure converges as the training budget grows",
+        ),
     )
 )

@@ -35,6 +35,23 @@ class DecodeOption:
 
 
 @dataclasses.dataclass(frozen=True)
+class Design:
+    """A group's row of the seed's group table ("initialisation and update scope", "question compared").
+
+    Attributes:
+      initialisation: where its parameters start (from scratch, or which checkpoint).
+      updates: which parameters the optimizer changes and which loss reaches them.
+      adds: what it adds to the baseline draft (the report adds the parameter count).
+      question: the question its comparison answers.
+    """
+
+    initialisation: str
+    updates: str
+    adds: str
+    question: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Experiment:
     """Everything that differs per experiment group.
 
@@ -81,6 +98,7 @@ class Experiment:
 
     How reports show it:
       label: the display name (default: `name`).
+      design: the group's row of the seed's group table (None: not in it).
       suites: the experiment suites (`python -m dspark_jax.experiments --suite=...`) the group belongs to;
         a suite runs its groups in registration order, and a group with `init_from` after that group's
         final checkpoint.
@@ -109,6 +127,7 @@ class Experiment:
     abstract_side_inputs: Callable[[Any, int], Mapping[str, Any]] | None = None
     decode_options: tuple[DecodeOption, ...] = ()
     label: str = ""
+    design: Design | None = None
     suites: tuple[str, ...] = ()
     report_columns: tuple[tuple[str, str], ...] = ()
     report_note: str = ""

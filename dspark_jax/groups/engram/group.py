@@ -22,7 +22,7 @@ from dspark_jax.groups.baseline import block_states, objective_sums
 from dspark_jax.groups.engram import model as engram_lib
 from dspark_jax.groups.engram import prepare
 from dspark_jax.groups.engram.table import EngramTable
-from dspark_jax.groups.registry import Batch, Experiment, register
+from dspark_jax.groups.registry import Batch, Design, Experiment, register
 from dspark_jax.inference import engine
 
 FEATURES = "engram"  # the predecessors' features among the objective's per-block inputs
@@ -169,12 +169,13 @@ def _markov_select(draft, frozen: FrozenTarget, h_BxSxH, state: engine.SpecState
     return engine.markov_select(draft, frozen, h_BxSxH, state, rng, settings, markov)
 
 
-def _register(name, label, build, sums, draft_pass=engine.draft_hidden, select=engine.markov_select):
+def _register(name, label, design, build, sums, draft_pass=engine.draft_hidden, select=engine.markov_select):
     proposer = engine.Proposer(draft_pass, select, init_recent, next_recent)
     return register(
         Experiment(
             name=name,
             label=label,
+            design=design,
             suites=("seed",),
             build_draft=build,
             train_sums=sums,
@@ -191,11 +192,28 @@ def _register(name, label, build, sums, draft_pass=engine.draft_hidden, select=e
 
 
 ENGRAM_MARKOV = _register(
-    "engram_markov", "Engram-Markov", engram_lib.EngramMarkovDraft, engram_markov_sums, select=_markov_select
+    "engram_markov",
+    "Engram-Markov",
+    Design(
+        initialisation="from scratch",
+        updates="the draft and the Engram projections W_Q, W_K, W_V jointly",
+        adds="n-gram features of the drafted prefix in the Markov head (W_V zero-initialised: starts as the "
+        "vanilla Markov head)",
+        question="how n-gram conditioning of the Markov head changes acceptance length",
+    ),
+    engram_lib.EngramMarkovDraft,
+    engram_markov_sums,
+    select=_markov_select,
 )
 ENGRAM_MASK_GATED = _register(
     "engram_mask_gated",
     "Engram-MASK gated",
+    Design(
+        initialisation="from scratch",
+        updates="the draft, the input projection P and the per-slot scalar gates jointly",
+        adds="a prefix-feature residual on the MASK embedding, one zero-initialised gate per block slot",
+        question="what gated injection of prefix features does while keeping the MASK embedding",
+    ),
     engram_lib.EngramMaskDraft,
     engram_mask_sums,
     draft_pass=_mask_draft_pass,
@@ -203,6 +221,12 @@ ENGRAM_MASK_GATED = _register(
 ENGRAM_MASK_REPLACE = _register(
     "engram_mask_replace",
     "Engram-MASK replace",
+    Design(
+        initialisation="from scratch",
+        updates="the draft and the input projection P jointly",
+        adds="content-dependent block inputs (projected prefix features) replacing the MASK embedding",
+        question="what content-dependent inputs do in place of the fixed MASK embedding",
+    ),
     engram_lib.EngramReplaceDraft,
     engram_mask_sums,
     draft_pass=_mask_draft_pass,

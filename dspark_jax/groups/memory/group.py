@@ -25,7 +25,7 @@ from dspark_jax.draft import objective
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.groups.baseline import block_states, objective_sums
 from dspark_jax.groups.memory import model as memory_lib
-from dspark_jax.groups.registry import Batch, DecodeOption, Experiment, register
+from dspark_jax.groups.registry import Batch, DecodeOption, Design, Experiment, register
 from dspark_jax.inference import engine
 
 
@@ -159,6 +159,12 @@ MEMORY = register(
     Experiment(
         name="memory",
         label="Draft Memory",
+        design=Design(
+            initialisation="from scratch",
+            updates="the draft and the memory adapter, by the loss of stage 2 (stage 1: stop-gradient)",
+            adds="a memory adapter M = RMSNorm(P h) over the last round's draft states past its first error",
+            question="what the previous round's draft states do for the continuation at the new anchor",
+        ),
         suites=("seed",),
         report_note="Draft Memory's own tau_prob is measured on its stage-2 anchors.",
         prefixes=stage2_prefixes,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from dspark_jax.draft import objective
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.groups.baseline import block_states, objective_sums
-from dspark_jax.groups.registry import Batch, Experiment, register
+from dspark_jax.groups.registry import Batch, Design, Experiment, register
 from dspark_jax.groups.reranker import model as reranker_lib
 from dspark_jax.inference import engine
 
@@ -161,7 +161,26 @@ def _register(name: str, label: str, **kwargs) -> Experiment:
     )
 
 
-RERANKER_JOINT = _register("reranker_joint", "Prefix reranker joint")
+_ADDS = "a prefix-conditioned reranker over the top-k candidates of each slot (W_o zero-initialised)"
+RERANKER_JOINT = _register(
+    "reranker_joint",
+    "Prefix reranker joint",
+    design=Design(
+        initialisation="from scratch",
+        updates="the draft and the reranker jointly",
+        adds=_ADDS,
+        question="the gain of prefix-conditioned reranking over an independently trained baseline",
+    ),
+)
 RERANKER_FROZEN = _register(
-    "reranker_frozen", "Prefix reranker frozen", trainable=reranker_only, init_from="baseline"
+    "reranker_frozen",
+    "Prefix reranker frozen",
+    trainable=reranker_only,
+    init_from="baseline",
+    design=Design(
+        initialisation="the baseline's final checkpoint; a new optimizer and schedule",
+        updates="the reranker only (backbone, Markov and confidence heads frozen)",
+        adds=_ADDS,
+        question="with the proposals fixed, how much the reranking module adds",
+    ),
 )

@@ -1,17 +1,18 @@
 """Run an experiment suite and write its report.
 
   python -m dspark_jax.experiments --suite=seed --preset=demo [--workdir=DIR] [--report_dir=DIR] \
-      [--groups=baseline,memory] [--override=KEY=VALUE ...] [--limit=N] [--max_new_tokens=N] \
-      [--concurrency=C] [--settings=0:fixed,1:confidence] [--report_only]
+      [--groups=baseline,memory] [--override=KEY=VALUE ...] [--budget=STEPS] [--limit=N] \
+      [--max_new_tokens=N] [--concurrency=C] [--settings=0:fixed,1:confidence] [--report_only]
 
-The `seed` suite trains the seed's seven groups at the preset's step budget on one shared cache (a group
-that starts from another's checkpoint on top of that group's final checkpoint), fits each confidence
+The `seed` suite trains the seed's seven groups at the protocol's step budget on one shared cache (a group
+that starts from another's checkpoint on top of that group's final checkpoint, and the baseline continued to
+that group's cumulative step as a same-budget row), fits each confidence
 head's STS calibration, decodes the protocol's prompts speculatively with real target verification at
 temperature 0 and 1 with the fixed and the confidence schedule, and writes
 `results/<suite>-<preset>/report.md` with the seed's table, the plots and every source file under
 `data/`. Rerunning skips finished stages and resumes a half-trained group. `--override=KEY=VALUE`
 applies to every group's config that has the key (e.g. `--override=data.cache_dir=/tmp/caches`,
-`--override=train.stop_step=100`). Demo on 2 CPU cores: caches ~16 min when missing, then ~10-13 min of
+`--override=generate.select_top_k=4`). Demo on 2 CPU cores: caches ~16 min when missing, then ~10-13 min of
 training per group and ~1 min per decoding setting.
 """
 
@@ -33,6 +34,12 @@ _WORKDIR = define_path_flag("workdir", None, "Suite work directory; default work
 _REPORT_DIR = define_path_flag("report_dir", None, "Report directory; default results/<suite>-<preset>.")
 _GROUPS = flags.DEFINE_list("groups", [], "Only these groups (and the groups they start from).")
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "KEY=VALUE for every group's config that has KEY.")
+_BUDGET = flags.DEFINE_integer(
+    "budget",
+    None,
+    "Training steps of every group (train.stop_step; at most half the preset's schedule, for the same-budget "
+    "rows); default: the preset's.",
+)
 _LIMIT = flags.DEFINE_integer("limit", None, "Prompts decoded per setting (0 = all); default: the preset's.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "New tokens per reply; default: the preset's.")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", None, "Requests decoded together; default: the preset's.")
@@ -50,6 +57,7 @@ def main(argv):
             _PRESET.value in plan.PROTOCOLS,
             f"must be one of {sorted(plan.PROTOCOLS)}, got {_PRESET.value!r}",
         ),
+        budget=(_BUDGET.value is None or _BUDGET.value >= 1, f"must be >= 1, got {_BUDGET.value}"),
         limit=(_LIMIT.value is None or _LIMIT.value >= 0, f"must be >= 0 (0 = all), got {_LIMIT.value}"),
         max_new_tokens=(_MAX_NEW.value is None or _MAX_NEW.value >= 1, f"must be >= 1, got {_MAX_NEW.value}"),
         concurrency=(
@@ -63,6 +71,7 @@ def main(argv):
     report_dir = _REPORT_DIR.value or str(REPO_ROOT / "results" / name)
     protocol = plan.PROTOCOLS[_PRESET.value]
     given = {
+        "budget": _BUDGET.value,
         "limit": _LIMIT.value,
         "max_new_tokens": _MAX_NEW.value,
         "concurrency": _CONCURRENCY.value,

@@ -1,9 +1,14 @@
 """What a suite runs: its groups (config files, who starts from whom) and the inference protocol per preset.
 
 A suite's groups come from the registry (`Experiment.suites`, in registration order): the `seed` suite is
-the seed's seven groups at one step budget on one shared cache. Every group trains the preset's
-`train.stop_step` steps; a group that starts from another's checkpoint (`Experiment.init_from`) trains that
-many new steps on top of that group's final checkpoint (its metrics are on the cumulative step axis).
+the seed's seven groups at one step budget on one shared cache. Every group trains the protocol's `budget`
+steps (`train.stop_step`, of the preset's full `train.total_steps` schedule); a group that starts from
+another's checkpoint (`Experiment.init_from`) trains that many new steps on top of that group's final
+checkpoint (its metrics are on the cumulative step axis). For each such pair the suite adds a same-budget
+row: the source group's own run continued, from its final checkpoint and on its schedule, to the cumulative
+step of the group that starts from it (the seed's "gain over a separately trained baseline at the same
+budget"). The suite's first group is its reference: every other row's gains are measured against the
+reference row of the same cumulative step.
 """
 
 from __future__ import annotations
@@ -22,21 +27,40 @@ from dspark_jax.run.config_lib import REPO_ROOT, with_absolute_paths
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """One row of the suite: a display name, its config module (`configs/<module>.py`) and the group whose
-    final checkpoint it starts from (None = from scratch)."""
+    """One row of the suite: a name (its work directory), a display name, its experiment group and config
+    module (`configs/<module>.py`) and the row whose final checkpoint it starts from (None = from scratch).
+    A same-budget row `continues` a row's run to the cumulative step of the row `budget_of`."""
 
     name: str
     label: str
     module: str
     starts_from: str | None = None
+    continues: str | None = None
+    budget_of: str | None = None
+
+
+SAME_BUDGET = "{source}_same_budget"
 
 
 def suites() -> dict[str, tuple[Group, ...]]:
-    """Every suite of the registered groups: `{suite: its groups in registration order}`."""
+    """Every suite of the registered groups: `{suite: its groups in registration order, then one same-budget
+    row per group that starts from another}`."""
     out: dict[str, list[Group]] = {}
     for e in registry.registered():
         for suite in e.suites:
             out.setdefault(suite, []).append(Group(e.name, e.display_name, e.name, e.init_from))
+    for members in out.values():
+        labels = {g.name: g.label for g in members}
+        for g in [g for g in members if g.starts_from in labels]:
+            members.append(
+                Group(
+                    SAME_BUDGET.format(source=g.starts_from),
+                    f"{labels[g.starts_from]}, {g.label}'s budget",
+                    g.starts_from,
+                    continues=g.starts_from,
+                    budget_of=g.name,
+                )
+            )
     return {suite: tuple(members) for suite, members in out.items()}
 
 
@@ -67,10 +91,13 @@ class Protocol:
     """Speculative decoding with real target verification, the same for every group: the first `limit`
     prompts of the packaged GSM8K-256 (0 = all), `max_new_tokens` per reply, `concurrency` requests per
     program, at each `(temperature, schedule)` of `settings`; `time_phases` adds the cycle's latency split
-    (draft / select / verify, each phase compiled and timed apart)."""
+    (draft / select / verify, each phase compiled and timed apart). `budget`: the steps every group trains
+    (`train.stop_step`; an `--override=train.stop_step=N` replaces it), at most half the preset's schedule
+    so that a same-budget row can continue a run to twice it."""
 
     limit: int
     max_new_tokens: int
+    budget: int
     concurrency: int = 1
     settings: tuple[tuple[float, str], ...] = ALL_SETTINGS
     time_phases: bool = True
@@ -79,11 +106,15 @@ class Protocol:
 PROTOCOLS = {
     # Both temperatures and both schedules, in two runs per group instead of four; no latency split.
     "smoke": Protocol(
-        limit=2, max_new_tokens=8, settings=((0.0, "fixed"), (1.0, "confidence")), time_phases=False
+        limit=2,
+        max_new_tokens=8,
+        budget=3,
+        settings=((0.0, "fixed"), (1.0, "confidence")),
+        time_phases=False,
     ),
-    "demo": Protocol(limit=16, max_new_tokens=96),
-    "accel": Protocol(limit=64, max_new_tokens=256, concurrency=8),
-    "paper": Protocol(limit=0, max_new_tokens=256, concurrency=8),
+    "demo": Protocol(limit=16, max_new_tokens=96, budget=150),
+    "accel": Protocol(limit=64, max_new_tokens=256, budget=1000, concurrency=8),
+    "paper": Protocol(limit=0, max_new_tokens=256, budget=2604, concurrency=8),  # the seed's one epoch
 }
 
 
@@ -98,9 +129,13 @@ def groups(suite: str, names: Sequence[str] = ()) -> tuple[Group, ...]:
         raise UsageError(f"--groups: {unknown[0]!r} is not in suite {suite!r}; choose from {list(members)}")
     wanted = set(names or members)
     for name in list(wanted):
+        if members[name].continues:
+            wanted |= {members[name].continues, members[name].budget_of}
+    for name in list(wanted):
         while members[name].starts_from:
             name = members[name].starts_from
             wanted.add(name)
+    wanted |= {g.name for g in members.values() if g.budget_of in wanted}
     return tuple(g for g in known[suite] if g.name in wanted)
 
 
@@ -113,8 +148,8 @@ def command_line(record: Mapping) -> str:
     if record["groups"] != [g.name for g in suites()[suite]]:
         flags.append("--groups=" + ",".join(record["groups"]))
     flags += [f"--override={o}" for o in record["overrides"]]
-    for name in ("limit", "max_new_tokens", "concurrency"):
-        if protocol[name] != getattr(default, name):
+    for name in ("budget", "limit", "max_new_tokens", "concurrency"):
+        if protocol.get(name, getattr(default, name)) != getattr(default, name):  # older records: no budget
             flags.append(f"--{name}={protocol[name]}")
     settings = tuple((float(t), s) for t, s in protocol["settings"])
     if settings != default.settings:
@@ -160,11 +195,14 @@ def group_config(group: Group, preset: str, overrides: Sequence[str] = ()):
 
 
 def check_overrides(suite_groups: Sequence[Group], preset: str, overrides: Sequence[str]) -> None:
-    """Every override names a key of at least one group's config, and is KEY=VALUE."""
+    """Every override names a key of at least one group's config, and is KEY=VALUE; the step budget is the
+    protocol's (`--budget`), not an override."""
     for item in overrides:
         key, sep, _ = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--override {item!r}: expected KEY=VALUE (e.g. data.cache_dir=/tmp/caches)")
+        if key == "train.stop_step":
+            raise UsageError(f"--override {item!r}: the suite's step budget is --budget=N, for every group")
     configs = [group_config(g, preset) for g in suite_groups]
     for item in overrides:
         key = item.partition("=")[0]

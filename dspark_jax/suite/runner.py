@@ -34,6 +34,7 @@ from dspark_jax.run.config_lib import REPO_ROOT
 from dspark_jax.suite import measure, plan
 from dspark_jax.target import TargetConfig, target_from_config
 from dspark_jax.training.loop import SUMMARY_FILE, train
+from dspark_jax.training.metrics_writer import METRICS_FILE
 
 log = logging.getLogger("dspark_jax.suite")
 SUITE_FILE = "suite.json"
@@ -94,13 +95,16 @@ class SuiteRun:
         self.root = epath.Path(root)
         self.protocol = protocol or plan.PROTOCOLS[preset]
         self.configs = {}
+        budget = [f"train.stop_step={self.protocol.budget}"]
         for group in self.groups:
-            config = plan.group_config(group, preset, overrides)
+            config = plan.group_config(group, preset, [*budget, *overrides])
             if group.starts_from:
                 source = self.configs[group.starts_from]
                 with config.unlocked():
                     config.init.checkpoint = str(self.workdir(group.starts_from))
                     config.init.step = source.train.stop_step
+            if group.continues:
+                config = self._continued(group, config)
             self.configs[group.name] = config
         targets = {json.dumps(c.target.to_dict(), sort_keys=True, default=str) for c in self.configs.values()}
         if len(targets) != 1:
@@ -119,6 +123,7 @@ class SuiteRun:
             "groups": [g.name for g in self.groups],
             "overrides": list(overrides),
             "protocol": {
+                "budget": self.protocol.budget,
                 "input": str(GSM8K_VAL256),
                 "limit": self.protocol.limit,
                 "max_new_tokens": self.protocol.max_new_tokens,
@@ -127,6 +132,20 @@ class SuiteRun:
                 "time_phases": self.protocol.time_phases,
             },
         }
+
+    def _continued(self, group: plan.Group, config):
+        """The config of a same-budget row: its source's run to the cumulative step of `budget_of`'s."""
+        starter = self.configs[group.budget_of]
+        stop = starter.init.step + starter.train.stop_step
+        if stop > config.train.total_steps:
+            raise config_lib.UsageError(
+                f"the same-budget row {group.name} continues {group.continues} to step {stop}, past its "
+                f"schedule's train.total_steps={config.train.total_steps}; give --budget="
+                f"{config.train.total_steps // 2} or less"
+            )
+        with config.unlocked():
+            config.train.stop_step = stop
+        return config
 
     def workdir(self, name: str) -> epath.Path:
         return self.root / name
@@ -162,10 +181,27 @@ class SuiteRun:
         if summary and summary["step"] == config.train.stop_step:
             log.info("suite: %s trained (step %d), skipped", group.name, summary["step"])
             return False
+        if group.continues and not (workdir / "checkpoints").exists():
+            self._start_from_source(group)
         log.info("suite: training %s (%s) in %s", group.name, group.label, workdir)
         train(config, workdir)
         jax.clear_caches()
         return True
+
+    def _start_from_source(self, group: plan.Group) -> None:
+        """A same-budget row's work directory begins as a copy of its source's final checkpoint (state,
+        iterator position, config) and metrics log, so that training resumes there as the source's run."""
+        source, workdir = self.workdir(group.continues), self.workdir(group.name)
+        step = str(self.configs[group.continues].train.stop_step)
+        staging = workdir / "checkpoints.tmp"
+        for path in (source / "checkpoints" / step).rglob("*"):
+            if path.is_file():
+                target = staging / step / path.relative_to(source / "checkpoints" / step)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                path.copy(target, overwrite=True)
+        (source / METRICS_FILE).copy(workdir / METRICS_FILE, overwrite=True)
+        staging.rename(workdir / "checkpoints")  # last: a copy cut short is redone on the next run
+        log.info("suite: %s starts as a copy of %s at step %s", group.name, group.continues, step)
 
     def _calibrate(self, group: plan.Group) -> bool:
         workdir = self.workdir(group.name)

@@ -1,9 +1,12 @@
 """What a suite runs: groups and their dependencies, overrides applied per group, bad input refused."""
 
+import dataclasses
+
 import pytest
 
 from dspark_jax.errors import UsageError
 from dspark_jax.suite import plan
+from dspark_jax.suite.runner import SuiteRun
 
 
 def test_the_seed_suite_holds_the_seven_groups_and_the_frozen_reranker_starts_from_the_baseline():
@@ -16,17 +19,38 @@ def test_the_seed_suite_holds_the_seven_groups_and_the_frozen_reranker_starts_fr
         "memory",
         "reranker_joint",
         "reranker_frozen",
+        "baseline_same_budget",
     ]
-    assert [g.name for g in plan.groups("seed", ["reranker_frozen"])] == ["baseline", "reranker_frozen"]
+    chain = ["baseline", "reranker_frozen", "baseline_same_budget"]
+    assert [g.name for g in plan.groups("seed", ["reranker_frozen"])] == chain
+    assert [g.name for g in plan.groups("seed", ["baseline_same_budget"])] == chain
     assert [g.name for g in plan.groups("seed", ["memory"])] == ["memory"]
+    same = plan.groups("seed")[-1]
+    assert (same.module, same.continues, same.budget_of) == ("baseline", "baseline", "reranker_frozen")
+
+
+def test_every_group_trains_the_budget_and_the_same_budget_row_continues_the_baseline_to_twice_it(tmp_path):
+    """Smoke: a budget of 3 of the 6-step schedule; the frozen reranker starts from the baseline's step 3 and
+    trains 3 more; the same-budget baseline runs on the baseline's schedule to step 6. A budget whose double
+    passes the schedule is refused before any work, naming the largest that fits."""
+    suite = SuiteRun("seed", "smoke", str(tmp_path / "work"))
+    stops = {name: c.train.stop_step for name, c in suite.configs.items()}
+    assert stops == {**{g.name: 3 for g in suite.groups}, "baseline_same_budget": 6}
+    frozen = suite.configs["reranker_frozen"]
+    assert (frozen.init.step, frozen.init.checkpoint) == (3, str(tmp_path / "work" / "baseline"))
+    same, base = suite.configs["baseline_same_budget"], suite.configs["baseline"]
+    assert same.train.total_steps == base.train.total_steps == 6 and same.experiment == "baseline"
+    wide = dataclasses.replace(plan.PROTOCOLS["smoke"], budget=4)
+    with pytest.raises(UsageError, match=r"to step 8, past .* train.total_steps=6; give --budget=3"):
+        SuiteRun("seed", "smoke", str(tmp_path / "other"), protocol=wide)
 
 
 def test_overrides_apply_to_every_group_that_has_the_key():
-    overrides = ["train.stop_step=3", "engram.fit_limit=2", "data.cache_dir=/tmp/c", "data.pack=true"]
+    overrides = ["train.log_every=1", "engram.fit_limit=2", "data.cache_dir=/tmp/c", "data.pack=true"]
     plan.check_overrides(plan.groups("seed"), "smoke", overrides)
     base = plan.group_config(plan.groups("seed")[0], "smoke", overrides)
     engram = plan.group_config(plan.groups("seed")[1], "smoke", overrides)
-    assert base.train.stop_step == engram.train.stop_step == 3
+    assert base.train.log_every == engram.train.log_every == 1
     assert base.data.cache_dir == "/tmp/c" and base.data.pack is True
     assert engram.engram.fit_limit == 2 and "engram" not in base
 
@@ -65,6 +89,10 @@ def test_command_line_names_every_flag_that_differs_from_the_preset():
         (
             lambda: plan.check_overrides(plan.groups("seed"), "smoke", ["train.stop_step"]),
             "expected KEY=VALUE",
+        ),
+        (
+            lambda: plan.check_overrides(plan.groups("seed"), "smoke", ["train.stop_step=3"]),
+            "the suite's step budget is --budget=N",
         ),
         (
             lambda: plan.check_overrides(plan.groups("seed"), "smoke", ["train.nope=1"]),

@@ -73,7 +73,8 @@ class Experiment:
         are measured on prefixes it picks itself rather than on the batch's anchors (Draft Memory: the
         stage-2 anchors after its stage-1 draft's first error), block `n` in the sample of the batch's block
         `n`; evaluation then measures every other group on the same prefixes too
-        (`training.evaluation.evaluate_on_prefixes`). None = the batch's anchors.
+        (`training.evaluation.open_prefixes`). None = the batch's anchors.
+      prefixes_note: why measuring every group on `prefixes` is the fair comparison (the report prints it).
       init_from: the group whose checkpoint (`config.init.checkpoint`, at `config.init.step`) a new run
         starts from: its parameters are restored into the same names (an exact match, checked), the
         rest keep their initialisation; None = from scratch.
@@ -117,6 +118,7 @@ class Experiment:
     config_class: type[DraftConfig] = DraftConfig
     trainable: Callable[[Any], Any] | None = None
     prefixes: Callable[[nnx.Module, FrozenTarget, Batch], tuple[jax.Array, jax.Array]] | None = None
+    prefixes_note: str = ""
     init_from: str | None = None
     shape_keys: tuple[str, ...] = ()
     resumable_keys: tuple[str, ...] = ()

@@ -31,7 +31,9 @@ class SpecReport:
     fixed schedule); `mal_per_verified_token` = tokens emitted per token the target verified (the pending
     token included); `mean_verify_width` = the padded verification width per loop iteration;
     `loop_ms_per_cycle` = wall time per decode-loop iteration (a batch's rows cycle together;
-    prefill included, so it sits above the pure cycle latency of `inference.timing`).
+    prefill included, so it sits above the pure cycle latency of `inference.timing`). The units an
+    interval resamples: `per_request` (each request's emitted tokens and cycles: MAL) and `per_batch` (each
+    program call's generated tokens and seconds: tokens/s).
     """
 
     requests: int = 0
@@ -41,6 +43,10 @@ class SpecReport:
     seconds: float = 0.0
     compile_seconds: float = 0.0
     per_request_mal: list[float] = dataclasses.field(default_factory=list)
+    per_request_tokens: list[int] = dataclasses.field(default_factory=list)
+    per_request_cycles: list[int] = dataclasses.field(default_factory=list)
+    per_batch_tokens: list[int] = dataclasses.field(default_factory=list)
+    per_batch_seconds: list[float] = dataclasses.field(default_factory=list)
     accepted_hist: np.ndarray | None = None
     reached: np.ndarray | None = None
     accepted: np.ndarray | None = None
@@ -49,8 +55,13 @@ class SpecReport:
     verified: int = 0
     verify_width: int = 0
 
-    def add(self, stats: dict[str, np.ndarray], rows: int, tokens: int, iterations: int):
+    def add(self, stats: dict[str, np.ndarray], rows: int, tokens: int, iterations: int, seconds: float):
         cycles_B, lengths_B = stats["cycles_B"][:rows], stats["accepted_len_B"][:rows]
+        self.seconds += seconds
+        self.per_batch_tokens.append(tokens)
+        self.per_batch_seconds.append(seconds)
+        self.per_request_tokens += [int(n) for n in lengths_B]
+        self.per_request_cycles += [int(c) for c in cycles_B]
         self.loop_iterations += iterations
         self.accepted_tokens += int(lengths_B.sum())
         self.verified += int(stats["verified_B"][:rows].sum())
@@ -89,6 +100,8 @@ class SpecReport:
             "compile_seconds": self.compile_seconds,
             "tokens_per_second": self.generated_tokens / self.seconds if self.seconds else 0.0,
             "loop_ms_per_cycle": 1e3 * self.seconds / max(self.loop_iterations, 1),
+            "per_request": {"tokens": self.per_request_tokens, "cycles": self.per_request_cycles},
+            "per_batch": {"tokens": self.per_batch_tokens, "seconds": self.per_batch_seconds},
         }
 
 
@@ -216,7 +229,7 @@ class SpeculativeDecoder(BatchedDecoding):
             program = self.compiled((batch.length, max_new_tokens, params), fn, *args)
             begin = time.perf_counter()
             state = jax.device_get(program(*args))
-            self.report.seconds += time.perf_counter() - begin
+            seconds = time.perf_counter() - begin
             out, counts = np.asarray(state.out_BxO), np.asarray(state.count_B)
             new = []
             for row in range(batch.rows):
@@ -228,6 +241,7 @@ class SpeculativeDecoder(BatchedDecoding):
                 batch.rows,
                 sum(len(r) for r in new),
                 int(state.cycle),
+                seconds,
             )
         self.report.compile_seconds = self.compile_seconds
         return results

@@ -17,8 +17,15 @@ from etils import epath
 
 from dspark_jax import groups as registry
 from dspark_jax.run import checkpoints
-from dspark_jax.suite import plan, plots
-from dspark_jax.suite.runner import PARAMS_FILE, SPECULATE_DIR, SUITE_FILE, TARGET_ONLY_DIR, setting_name
+from dspark_jax.suite import comparisons, intervals, plan, plots
+from dspark_jax.suite.runner import (
+    EVALUATION_DIR,
+    PARAMS_FILE,
+    SPECULATE_DIR,
+    SUITE_FILE,
+    TARGET_ONLY_DIR,
+    setting_name,
+)
 from dspark_jax.training.loop import SUMMARY_FILE
 from dspark_jax.training.metrics_writer import METRICS_FILE, MetricWriter
 
@@ -53,6 +60,10 @@ def collect(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
             _copy(sts.parent / "reliability_greedy.png", epath.Path(out) / f"calibration_{name}.png")
         for path in (workdir / SPECULATE_DIR).glob("*.json"):
             _copy(path, data / name / SPECULATE_DIR / path.name)
+        evaluation = workdir / EVALUATION_DIR / f"step_{checkpoints.checkpoint_step(workdir)}.json"
+        if evaluation.exists():
+            _copy(evaluation, data / name / comparisons.EVALUATION_JSON)
+            _copy(evaluation.parent / f"{evaluation.stem}.npz", data / name / comparisons.EVALUATION_NPZ)
     return data
 
 
@@ -92,9 +103,12 @@ def _markdown(head: list[str], body: list[list[str]]) -> list[str]:
     return [line(head), "|" + " --- |" * len(head), *map(line, body)]
 
 
+_LABELS: dict[str, str] = {g.name: g.label for members in plan.suites().values() for g in members}
+
+
 def _label(name: str) -> str:
-    experiment = registry.find(name)
-    return experiment.display_name if experiment else name
+    """A row's display name: the suite plan's (registered groups and same-budget rows)."""
+    return _LABELS.get(name, name)
 
 
 def _notes(groups: list[_Group]) -> str:
@@ -275,6 +289,13 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
     record = json.loads((data / SUITE_FILE).read_text())
     params = json.loads((data / PARAMS_FILE).read_text())
     groups = [_Group(data, name) for name in record["groups"]]
+    suite_groups = [g for g in plan.suites()[record["suite"]] if g.name in record["groups"]]
+    rows = comparisons.load_rows(data, suite_groups, record["groups"])
+    found = comparisons.gains(rows, suite_groups)
+    picker = next((e for e in map(registry.find, record["groups"]) if e and e.prefixes), None)
+    same_note = "none here."
+    if picker:
+        same_note = f"{picker.display_name}'s final checkpoint picks them. {picker.prefixes_note}"
     _plots(out, groups)
     _tensorboard(root, groups)
     block = _block_size(groups)
@@ -284,6 +305,36 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
         f"# Suite `{record['suite']}`, preset `{record['preset']}`",
         "",
         f"Command: `{plan.command_line(record)}`",
+        "",
+        "Names: `tau_prob` is the seed's tau_probabilistic, `acc@i` (`accept_rate_i` in the logs) its"
+        " accept_rate@i; TensorBoard and `metrics.jsonl` keep the logged names.",
+        "",
+        "## The seed's groups",
+        "",
+        "Each group's row of the seed's group table (from the registry, `Experiment.design`) and the"
+        " answer its paired gains below give at this budget:",
+        "",
+        *comparisons.design_table(rows, suite_groups, found, params),
+        "",
+        "## Figures with 95% intervals",
+        "",
+        "Each row's final checkpoint on the validation cache (`data/<row>/evaluation.json` and `.npz`, the"
+        " sums per validation sample). *Own blocks* are each group's own anchors: the uniformly drawn ones,"
+        " or, marked (a'), the prefixes a group picks itself. *Same prefixes* are one group's picks measured"
+        f" for every row: {same_note}"
+        f" Intervals: {intervals.LEVEL:.0%}, bootstrap over validation samples (BCa, {intervals.RESAMPLES}"
+        " resamples); MAL over requests, tokens/s over decoding batches.",
+        "",
+        *comparisons.figures_table(rows),
+        "",
+        "## Gains over the same-budget reference",
+        "",
+        "Paired differences (the same validation samples, the same prefixes, the same requests in each"
+        " resample); **bold** where the interval excludes zero, i.e. the difference is told apart from noise"
+        " at this budget. Each row is compared with the reference row of its own cumulative step; a row that"
+        " starts from a checkpoint also with that checkpoint's row.",
+        "",
+        *comparisons.gains_table(found),
         "",
         "## Results",
         "",

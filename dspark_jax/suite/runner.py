@@ -6,6 +6,10 @@ Layout of the suite's work directory (`root`):
   params.json                 draft parameters per group and how many each adds to the baseline
   <group>/                    the group's training work directory (checkpoints, metrics.jsonl, summary.json,
                               tensorboard/, calibration/step_N/sts.json, inference/ for TensorBoard)
+  <group>/evaluation/step_N.json, .npz
+                              the final checkpoint's offline metrics on its own blocks and on the prefixes
+                              the suite's prefix-picking group picks (`Experiment.prefixes`), and per
+                              validation sample the sums they are ratios of (the report's intervals)
   <group>/speculate/<s>.json  speculative decoding per temperature x schedule (`t0-fixed`, ...)
   target_only/<s>.json        target-only decoding per setting, shared by every group
 
@@ -25,14 +29,17 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 from etils import epath
 
+from dspark_jax import groups as registry
 from dspark_jax import sharding
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.run import checkpoints, config_lib, draft_state
 from dspark_jax.run.config_lib import REPO_ROOT
 from dspark_jax.suite import measure, plan
 from dspark_jax.target import TargetConfig, target_from_config
+from dspark_jax.training.evaluation import measure_checkpoint, open_prefixes, open_validation
 from dspark_jax.training.loop import SUMMARY_FILE, train
 from dspark_jax.training.metrics_writer import METRICS_FILE
 
@@ -41,6 +48,7 @@ SUITE_FILE = "suite.json"
 PARAMS_FILE = "params.json"
 TARGET_ONLY_DIR = "target_only"
 SPECULATE_DIR = "speculate"
+EVALUATION_DIR = "evaluation"
 
 
 def setting_name(temperature: float, schedule: str) -> str:
@@ -162,6 +170,8 @@ class SuiteRun:
             self._stage(group.name, "train", self._train, group)
         self._params()
         for group in self.groups:
+            self._stage(group.name, "evaluate", self._evaluate, group)
+        for group in self.groups:
             self._stage(group.name, "calibrate", self._calibrate, group)
         self._speculate_all()
         return self.record
@@ -202,6 +212,45 @@ class SuiteRun:
         (source / METRICS_FILE).copy(workdir / METRICS_FILE, overwrite=True)
         staging.rename(workdir / "checkpoints")  # last: a copy cut short is redone on the next run
         log.info("suite: %s starts as a copy of %s at step %s", group.name, group.continues, step)
+
+    def evaluation_file(self, name: str) -> epath.Path:
+        """`<group>/evaluation/step_<N>.json` of the row's final checkpoint (`.npz` beside it)."""
+        workdir = self.workdir(name)
+        return workdir / EVALUATION_DIR / f"step_{checkpoints.checkpoint_step(workdir)}.json"
+
+    def _picker(self) -> plan.Group | None:
+        """The suite's row whose group picks its own prefixes (Draft Memory), if there is one."""
+        pickers = [g for g in self.groups if not g.continues and registry.get(g.module).prefixes]
+        if len(pickers) > 1:
+            names = [g.name for g in pickers]
+            raise config_lib.UsageError(f"groups {names} all pick their own prefixes; a suite holds one")
+        return pickers[0] if pickers else None
+
+    def _evaluate(self, group: plan.Group) -> bool:
+        """The final checkpoint on the validation cache: its own blocks, then the picker's prefixes."""
+        path = self.evaluation_file(group.name)
+        if path.exists():
+            return False
+        workdir = self.workdir(group.name)
+        log.info("suite: evaluating %s on its own blocks and on the same prefixes", group.name)
+        v = open_validation(checkpoints.run_config(workdir), workdir)
+        metrics, samples = measure_checkpoint(v)
+        record = {"step": v.step, "samples": v.samples, "own": metrics}
+        arrays = {f"own/{k}": x for k, x in samples._asdict().items()}
+        picker = self._picker()
+        if picker is not None:
+            picked = self.workdir(picker.name)
+            prefixes = open_prefixes(v, checkpoints.run_config(picked), picked)
+            if picker.name != group.name:
+                metrics, samples = measure_checkpoint(v, prefixes)
+            record["same_prefixes"] = {"group": picker.name, "step": prefixes.step, "metrics": metrics}
+            arrays |= {f"same_prefixes/{k}": x for k, x in samples._asdict().items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with (path.parent / f"{path.stem}.npz").open("wb") as f:
+            np.savez(f, **arrays)
+        _write_json(path, record)  # last: its presence marks the stage done
+        jax.clear_caches()
+        return True
 
     def _calibrate(self, group: plan.Group) -> bool:
         workdir = self.workdir(group.name)

@@ -107,12 +107,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], batch: int, length: int, pad_i
 
 @dataclasses.dataclass
 class GenerationStats:
-    """Totals over a Generator's calls; `seconds` is prefill + decode wall time, compiles excluded."""
+    """Totals over a Generator's calls; `seconds` is prefill + decode wall time, compiles excluded; and per
+    program batch its generated tokens and seconds (the units a tokens/s interval resamples)."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
     compile_seconds: float = 0.0
+    per_batch_tokens: list[int] = dataclasses.field(default_factory=list)
+    per_batch_seconds: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -350,11 +353,15 @@ class Generator(BatchedDecoding):
                 if last:
                     break
             out = np.asarray(decoding.out_BxO)
-            self.stats.seconds += time.perf_counter() - begin
+            seconds = time.perf_counter() - begin
             produced_BxO = (out >= 0) & ~np.isin(out, self.eos_ids)
             counts = np.cumprod(produced_BxO, axis=1).sum(axis=1)
+            generated = int(counts[: batch.rows].sum())
+            self.stats.seconds += seconds
             self.stats.prompt_tokens += batch.prompt_tokens
-            self.stats.generated_tokens += int(counts[: batch.rows].sum())
+            self.stats.generated_tokens += generated
+            self.stats.per_batch_tokens.append(generated)
+            self.stats.per_batch_seconds.append(seconds)
             results.extend(out[row, : counts[row]].tolist() for row in range(batch.rows))
         self.stats.compile_seconds = self.compile_seconds
         if order is None:

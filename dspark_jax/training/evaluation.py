@@ -65,7 +65,8 @@ def evaluate(
 
 
 class Validation(NamedTuple):
-    """A trained draft with what evaluating it on the validation cache of its config needs."""
+    """A trained draft with what evaluating it on the validation cache of its config needs (`epoch()` gives
+    the same micro-batches each call)."""
 
     config: object
     experiment: Experiment
@@ -77,7 +78,7 @@ class Validation(NamedTuple):
     frozen: object
     features: step_lib.Features | None  # online training: the target forward before each step
     samples: int
-    batches: Iterator[Mapping[str, np.ndarray]]  # one epoch of micro-batches
+    epoch: Callable[[], Iterator[Mapping[str, np.ndarray]]]  # a new pass over the micro-batches, each call
     mesh: Mesh
     rules: sharding.Rules
 
@@ -89,10 +90,7 @@ def open_validation(config, checkpoint: str | os.PathLike) -> Validation:
     source = sources.open_source(paths["val"], config, side)
     graphdef, params, rest, step = draft_state.restore_draft(config, side.config, mesh, checkpoint)
     micro_rows = config.train.global_batch // config.train.grad_accum
-    batches = make_iterator(
-        source,
-        sources.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1),
-    )
+    pipeline = sources.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1)
     experiment = groups.get(config.experiment)
     return Validation(
         config,
@@ -105,7 +103,7 @@ def open_validation(config, checkpoint: str | os.PathLike) -> Validation:
         side.frozen,
         side.features,
         len(source),
-        batches,
+        lambda: make_iterator(source, pipeline),
         mesh,
         config_lib.sharding_rules(config),
     )
@@ -121,7 +119,7 @@ def evaluate_checkpoint(config, checkpoint: str | os.PathLike) -> dict[str, floa
             v.params,
             v.rest,
             v.frozen,
-            v.batches,
+            v.epoch(),
             v.mesh,
             0,
             v.rules,
@@ -218,7 +216,7 @@ def _measured_batches(v: Validation, prefixes: Prefixes | None) -> Iterator[tupl
     fn = _records_fn(v, prefixes)
     prefix_state = (None, None) if prefixes is None else (prefixes.params, prefixes.rest)
     with sharding.activation_sharding(v.mesh, v.rules):
-        for index, batch in enumerate(v.batches):
+        for index, batch in enumerate(v.epoch()):
             fields = device_fields(batch)
             sums, records = fn(v.params, v.rest, *prefix_state, v.frozen, to_global(fields, v.mesh, v.rules))
             sums, records = jax.device_get((sums, records))

@@ -47,6 +47,9 @@ HeadFn = Callable[[dict[str, jax.Array]], Mapping[str, jax.Array | Mapping[str, 
 
 _RECORDERS: list[list[dict[str, jax.Array]]] = []
 _BLOCKS = "_blocks"
+# A `teacher_sums` entry that is not a sum: the per-prediction acceptance `[B, C, S]` a group's own tau_prob
+# and accept rates use, where that is not `overlap` (the prefix reranker's reranked distribution).
+FIGURE_OVERLAP = "figure_overlap"
 
 
 @contextlib.contextmanager
@@ -54,8 +57,10 @@ def recording_blocks() -> Iterator[list[dict[str, jax.Array]]]:
     """While tracing inside this context, every `block_objective_sums` call also appends its per-block
     records to the yielded list: f32 `[B, N, S]` arrays `confidence_logit`, `greedy_accept` (the draft's
     argmax equals the teacher's), `overlap` (`a_i`, the acceptance probability of sampling) and
-    `eval_mask`. Any experiment's evaluation sums give the records this way (the STS calibration reads
-    them) without a separate forward per group.
+    `eval_mask`, and `figure_overlap` (the acceptance the group's own tau_prob counts: `overlap`, or what
+    its `teacher_sums` gives under `FIGURE_OVERLAP`). Any experiment's evaluation sums give the records this
+    way (the STS calibration and the report's per-sample sums read them) without a separate forward per
+    group.
     """
     records: list[dict[str, jax.Array]] = []
     _RECORDERS.append(records)
@@ -135,6 +140,7 @@ def _chunk_sums(
     extra = dict(out.get("extra_sums", {}))
     if "teacher_sums" in out:
         extra |= out["teacher_sums"](jax.lax.stop_gradient(p_BxCxSxV), labels_BxCxS, mask_BxCxS)
+    figure_overlap_BxCxS = extra.pop(FIGURE_OVERLAP, overlap_BxCxS)
     extra = {name: jnp.asarray(value, jnp.float32) for name, value in extra.items()}
     if clash := sorted(set(extra) & set(sums)):
         raise ValueError(f"head_fn extra_sums reuse reserved names {clash}")
@@ -145,6 +151,7 @@ def _chunk_sums(
             "greedy_accept": greedy_BxCxS.astype(jnp.float32),
             "overlap": overlap_BxCxS,
             "eval_mask": mask_BxCxS,
+            "figure_overlap": jnp.asarray(figure_overlap_BxCxS, jnp.float32),
         }
     return sums | extra
 

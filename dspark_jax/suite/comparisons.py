@@ -87,12 +87,19 @@ def _safe(fn, *args) -> Interval | None:
         return None
 
 
+def _figure(interval: Interval, digits: int, signed: bool) -> str:
+    """`1.3270 [1.3201, 1.3339]`, in scientific notation where the fixed digits would all read zero."""
+    values = (interval.estimate, interval.low, interval.high)
+    kind = "e" if 0 < max(map(abs, values)) < 0.5 * 10.0**-digits else "f"
+    f = lambda x: format(x, f"{'+' if signed else ''}.{1 if kind == 'e' else digits}{kind}")
+    return f"{f(values[0])} [{f(values[1])}, {f(values[2])}]"
+
+
 def fmt(interval: Interval | None, digits: int = 4, signed: bool = False) -> str:
-    """`1.3270 [1.3201, 1.3339]`; a signed difference that excludes zero in bold."""
+    """A figure and its interval; a signed difference whose interval excludes zero in bold."""
     if interval is None:
         return "-"
-    f = (lambda x: f"{x:+.{digits}f}") if signed else (lambda x: f"{x:.{digits}f}")
-    text = f"{f(interval.estimate)} [{f(interval.low)}, {f(interval.high)}]"
+    text = _figure(interval, digits, signed)
     return f"**{text}**" if signed and interval.excludes_zero else text
 
 
@@ -210,8 +217,8 @@ def _verdict(g: Gain) -> str:
         return f"no paired figure against {g.against.group.label}"
     x = told[0]
     where = "same prefixes" if x is g.tau_same else "uniform anchors"
-    against = f"{g.against.group.label} step {g.against.step}"
-    figure = f"tau_prob {x.estimate:+.4f} [{x.low:+.4f}, {x.high:+.4f}] ({where})"
+    against = f"{g.against.group.label} step {g.against.step} ({g.kind})"
+    figure = f"step {g.row.step}: tau_prob {_figure(x, 4, True)} ({where})"
     if x.excludes_zero:
         return f"{figure} {'above' if x.estimate > 0 else 'below'} {against}: beyond noise"
     return f"{figure} against {against}: not told apart from noise"

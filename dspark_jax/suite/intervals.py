@@ -65,7 +65,8 @@ def _bootstrap(arrays: tuple[np.ndarray, ...], statistic: Callable, seed: int) -
 
 
 def _ratio(num, den, axis=-1):
-    return np.sum(num, axis=axis) / np.sum(den, axis=axis)
+    with np.errstate(invalid="ignore", divide="ignore"):  # a resample without a unit of weight: nan
+        return np.sum(num, axis=axis) / np.sum(den, axis=axis)
 
 
 def ratio(num_K: np.ndarray, den_K: np.ndarray, *, seed: int = 0) -> Interval:

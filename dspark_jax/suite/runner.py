@@ -85,6 +85,16 @@ def _environment() -> dict:
     }
 
 
+def _copy_tree(src: epath.Path, dst: epath.Path) -> None:
+    """Copies the directory `src` to `dst` (local or gs://), file by file."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_dir():
+            _copy_tree(path, dst / path.name)
+        else:
+            path.copy(dst / path.name, overwrite=True)
+
+
 class SuiteRun:
     """One suite in one work directory; `run()` does whatever is not done yet."""
 
@@ -204,11 +214,7 @@ class SuiteRun:
         source, workdir = self.workdir(group.continues), self.workdir(group.name)
         step = str(self.configs[group.continues].train.stop_step)
         staging = workdir / "checkpoints.tmp"
-        for path in (source / "checkpoints" / step).rglob("*"):
-            if path.is_file():
-                target = staging / step / path.relative_to(source / "checkpoints" / step)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                path.copy(target, overwrite=True)
+        _copy_tree(source / "checkpoints" / step, staging / step)
         (source / METRICS_FILE).copy(workdir / METRICS_FILE, overwrite=True)
         staging.rename(workdir / "checkpoints")  # last: a copy cut short is redone on the next run
         log.info("suite: %s starts as a copy of %s at step %s", group.name, group.continues, step)
@@ -233,9 +239,11 @@ class SuiteRun:
             return False
         workdir = self.workdir(group.name)
         log.info("suite: evaluating %s on its own blocks and on the same prefixes", group.name)
-        v = open_validation(checkpoints.run_config(workdir), workdir)
+        config = checkpoints.run_config(workdir)
+        v = open_validation(config, workdir)
         metrics, samples = measure_checkpoint(v)
-        record = {"step": v.step, "samples": v.samples, "own": metrics}
+        pretrained = config.init.step if registry.get(config.experiment).init_from else 0
+        record = {"step": pretrained + v.step, "samples": v.samples, "own": metrics}  # cumulative
         arrays = {f"own/{k}": x for k, x in samples._asdict().items()}
         picker = self._picker()
         if picker is not None:

@@ -246,10 +246,11 @@ class SampleSums(NamedTuple):
 
 
 def sample_sums(records: Mapping[str, np.ndarray], keys_BxNx3: np.ndarray) -> SampleSums:
-    """`SampleSums` of block records (`[rows, N, S]`, micro-batches concatenated along rows) and their
-    blocks' sample keys; a sample without a valid block keeps zero sums."""
+    """`SampleSums` of block records (`[rows, N, S]`, micro-batches concatenated along rows; the acceptance
+    is `figure_overlap`, what the group's own tau_prob counts) and their blocks' sample keys; a sample
+    without a valid block keeps zero sums."""
     mask_XxS = records["eval_mask"].reshape(-1, records["eval_mask"].shape[-1]).astype(np.float64)
-    accepted_XxS = records["overlap"].reshape(mask_XxS.shape) * mask_XxS
+    accepted_XxS = records["figure_overlap"].reshape(mask_XxS.shape) * mask_XxS
     valid_X = mask_XxS[:, 0] > 0
     tau_X = np.where(valid_X, 1.0 + np.cumprod(accepted_XxS, axis=-1).sum(-1), 0.0)
     keys_Kx3, sample_X = np.unique(keys_BxNx3.reshape(-1, 3), axis=0, return_inverse=True)
@@ -273,5 +274,5 @@ def measure_checkpoint(
     if total is None:
         raise ValueError("the validation cache yields no batch; it needs at least one micro-batch of samples")
     metrics = {k: float(x) for k, x in jax.device_get(v.experiment.metrics(total)).items()}
-    joined = {k: np.concatenate([r[k] for r in records]) for k in ("overlap", "eval_mask")}
+    joined = {k: np.concatenate([r[k] for r in records]) for k in ("figure_overlap", "eval_mask")}
     return metrics, sample_sums(joined, np.concatenate(keys))

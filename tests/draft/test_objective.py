@@ -145,6 +145,7 @@ def test_recorded_blocks_equal_a_numpy_computation_and_leave_the_sums_unchanged(
         "greedy_accept": prob["logits"].argmax(-1) == teacher.argmax(-1),
         "overlap": np.minimum(p, q).sum(-1),
         "eval_mask": eval_mask,
+        "figure_overlap": np.minimum(p, q).sum(-1),  # a head without its own figure: the overlap
     }
     assert set(records[0]) == set(want)
     for name, value in want.items():

@@ -10,6 +10,7 @@ from dspark_jax.groups.memory import group as memory
 from dspark_jax.training.evaluation import evaluation_with_records, sample_sums
 from tests.draft.test_reference import CFG, _forward, _metrics, _randomize
 from tests.groups.test_memory import _model, _reference_two_stage, crafted_batch
+from tests.groups.test_reranker import _setup as _reranker_setup
 
 
 def test_baseline_and_memory_measured_on_the_same_prefixes_match_a_float64_reference():
@@ -64,3 +65,20 @@ def test_sample_sums_add_up_to_the_metrics_and_split_packed_samples():
     np.testing.assert_allclose(per.tau_K.sum() / per.blocks_K.sum(), float(metrics["tau_prob"]), rtol=1e-6)
     rates = per.accept_KxS.sum(0) / per.accept_count_KxS.sum(0)
     np.testing.assert_allclose(rates, [float(metrics[f"accept_rate_{i}"]) for i in range(7)], rtol=1e-6)
+
+
+def test_a_rerankers_sample_sums_count_its_own_reranked_tau():
+    """The prefix reranker's tau_prob is the reranked distribution's: its per-sample sums add up to that
+    figure, not to the pre-rerank one (which differs once the reranker's weights are random)."""
+    model, _, frozen, batch, *_ = _reranker_setup(5, k=8)
+    sums, records = evaluation_with_records(groups.get("reranker_joint"), model, frozen, batch)
+    metrics = groups.get("reranker_joint").metrics(sums)
+    anchors = np.asarray(batch["anchors"])
+    starts = anchors - np.take_along_axis(np.asarray(batch["positions"]), anchors, axis=1)
+    keys = np.stack([np.zeros_like(anchors), np.broadcast_to([[0], [1]], anchors.shape), starts], -1)
+    per = sample_sums({k: np.asarray(v) for k, v in records.items()}, keys)
+    assert abs(float(metrics["tau_prob"]) - float(metrics["pre_rerank_tau_prob"])) > 1e-3
+    np.testing.assert_allclose(per.tau_K.sum() / per.blocks_K.sum(), float(metrics["tau_prob"]), rtol=1e-6)
+    rates = per.accept_KxS.sum(0) / per.accept_count_KxS.sum(0)
+    want = [float(metrics[f"rerank_accept_rate_{i}"]) for i in range(7)]
+    np.testing.assert_allclose(rates, want, rtol=1e-5, atol=1e-7)

@@ -70,6 +70,7 @@ def rerank_sums(
         "agree_before": total(agree(before_xS)),
         "prefix_after": total(prefix(choice_xS)),
         "prefix_before": total(prefix(before_xS)),
+        objective.FIGURE_OVERLAP: overlap_xS,  # the group's tau_prob is the reranked one
     }
 
 

@@ -1,6 +1,7 @@
 """The seed suite end to end on the smoke preset: seven rows, every plot, numbers traceable, resumable."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,8 @@ def test_seed_suite_on_smoke_writes_the_table_and_plots_and_skips_finished_group
         for t, schedule in plan.PROTOCOLS["smoke"].settings:  # both temperatures, both schedules
             assert (data / g.name / "speculate" / f"{setting_name(t, schedule)}.json").exists()
     frozen = [x for x in (data / "reranker_frozen" / "metrics.jsonl").read_text().splitlines()]
-    assert json.loads(frozen[-1])["step"] == 12  # 6 baseline steps + 6 new ones, cumulative
+    assert json.loads(frozen[-1])["step"] == 6  # a budget of 3 baseline steps + 3 new ones, cumulative
+    _check_comparisons(text, data, groups)
     params = json.loads((data / "params.json").read_text())
     assert params["baseline"]["added"] == 0 and params["reranker_joint"]["added"] > 0
     assert params["reranker_frozen"]["added"] == params["reranker_joint"]["added"]
@@ -69,3 +71,45 @@ def test_seed_suite_on_smoke_writes_the_table_and_plots_and_skips_finished_group
     assert again.returncode == 0, again.stderr[-4000:]
     assert "suite: training" not in again.stderr and again.stderr.count("trained (step") == len(groups)
     assert json.loads((tmp_path / "work" / "suite.json").read_text())["stages"] == stages
+
+
+def _section(text, title):
+    """The body rows of the first table under `## title`, as cell lists."""
+    body = text.split(f"## {title}")[1].split("\n## ")[0]
+    lines = [line for line in body.splitlines() if line.startswith("| ") and "---" not in line]
+    return [line.split(" | ") for line in lines[1:]]
+
+
+def _interval(cell):
+    """`1.2345 [1.2000, 1.3000]` (bold or not) -> three floats."""
+    return tuple(map(float, re.findall(r"[-+]?\d+\.\d+(?:e[-+]?\d+)?", cell)[:3]))
+
+
+def _check_comparisons(text, data, groups):
+    """The seed's group table, the figures with intervals, the same-budget row and the paired gains, each
+    traceable to the evaluation files the report copied."""
+    evaluation = {g.name: json.loads((data / g.name / "evaluation.json").read_text()) for g in groups}
+    same = next(g for g in groups if g.continues)
+    assert evaluation[same.name]["step"] == 6 and evaluation["reranker_frozen"]["step"] == 6
+
+    design = _section(text, "The seed's groups")
+    assert [r[0][2:] for r in design] == [g.label for g in groups if not g.continues]
+    assert all(r[-1] not in ("-", "- |") for r in design)  # each group's answer at this budget
+
+    figures = {r[0][2:]: r for r in _section(text, "Figures with 95% intervals")}
+    assert set(figures) == {g.label for g in groups}
+    for g in groups:
+        estimate, low, high = _interval(figures[g.label][2])
+        assert estimate == pytest.approx(evaluation[g.name]["own"]["tau_prob"], abs=1e-4)
+        assert low <= estimate <= high
+        same_prefixes = evaluation[g.name]["same_prefixes"]["metrics"]["tau_prob"]
+        assert _interval(figures[g.label][3])[0] == pytest.approx(same_prefixes, abs=1e-4)
+
+    gains = {(r[0][2:], r[2]): r for r in _section(text, "Gains over the same-budget reference")}
+    start = gains[("Prefix reranker frozen", "Baseline step 3 (its starting checkpoint)")]
+    budget = gains[("Prefix reranker frozen", f"{same.label} step 6 (same budget)")]
+    for row, against in ((start, "baseline"), (budget, same.name)):
+        want = evaluation["reranker_frozen"]["own"]["tau_prob"] - evaluation[against]["own"]["tau_prob"]
+        assert _interval(row[3])[0] == pytest.approx(want, abs=1e-4)
+    memory = gains[("Draft Memory", "Baseline step 3 (same budget)")]
+    assert memory[3] == "-" and "[" in memory[4]  # own blocks: other prefixes

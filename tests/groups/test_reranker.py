@@ -9,6 +9,7 @@ from flax import nnx
 from dspark_jax.draft import blocks
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.groups import baseline
+from dspark_jax.groups.reranker import diagnosis
 from dspark_jax.groups.reranker import group as reranker_group
 from dspark_jax.groups.reranker.model import RerankerDraft, RerankerDraftConfig
 from tests.draft.test_reference import CFG, S, _batch, _randomize
@@ -224,3 +225,51 @@ def test_online_prefix_steps_equal_the_teacher_forced_block():
         )
         np.testing.assert_array_equal(candidates, flat(offline.candidates_xSxK)[:, i])
         np.testing.assert_allclose(scores, flat(offline.scores_xSxK)[:, i], rtol=1e-5, atol=1e-5)
+
+
+def test_choice_margins_match_numpy_and_a_zero_output_projection_changes_nothing():
+    """The diagnosis per prediction against the NumPy reranker (random weights: deltas that do move some
+    choices); with W_o zero, as initialised, every delta is 0 and no choice changes."""
+    k = 4
+    model, params, frozen, jb, targets, h, logits, _ = _setup(3, k)
+    got = {key: np.asarray(x) for key, x in diagnosis.choice_margins(model, frozen, jb).items()}
+    lg, hh, preds = (
+        np.asarray(logits, np.float64),
+        np.asarray(h, np.float64),
+        np.asarray(targets.predecessors),
+    )
+    for b, n in np.ndindex(lg.shape[:2]):
+        cand, scores = _numpy_rerank(params, hh[b, n], lg[b, n], preds[b, n], k)
+        top = np.take_along_axis(lg[b, n], cand, -1)
+        np.testing.assert_allclose(
+            got["max_abs_delta"][b, n], np.abs(scores - top).max(-1), rtol=1e-3, atol=1e-4
+        )
+        np.testing.assert_allclose(got["gap"][b, n], top[:, 0] - top[:, 1], rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(got["changed"][b, n], scores.argmax(-1) != 0)
+    summary = diagnosis.summarise(got)
+    assert 0 < summary["changed_predictions"] < 1 and summary["predictions"] == int(got["eval_mask"].sum())
+    assert sum(b["predictions"] for b in summary["by_gap"]) == summary["predictions"]
+
+    state = nnx.state(model, nnx.Param)
+    state["reranker"]["w_o"]["kernel"].set_value(
+        jnp.zeros_like(state["reranker"]["w_o"]["kernel"].get_value())
+    )
+    nnx.update(model, state)
+    zero = diagnosis.choice_margins(model, frozen, jb)
+    assert float(jnp.max(zero["max_abs_delta"])) == 0.0 and float(jnp.max(zero["changed"])) == 0.0
+    assert diagnosis.w_o_norms(nnx.state(model, nnx.Param)) == {"w_o_frobenius": 0.0, "w_o_max_abs": 0.0}
+
+
+def test_summarise_counts_changes_per_gap_bin():
+    """Four predictions in two blocks, gaps 0.1 .. 0.4, the smallest-gap one changed: one bin per quantile."""
+    margins = {
+        "eval_mask": np.array([[[1.0, 1.0], [1.0, 1.0]]]),
+        "gap": np.array([[[0.1, 0.2], [0.3, 0.4]]]),
+        "max_abs_delta": np.array([[[0.3, 0.01], [0.02, 0.03]]]),
+        "changed": np.array([[[1.0, 0.0], [0.0, 0.0]]]),
+    }
+    summary = diagnosis.summarise(margins, quantiles=2)
+    assert summary["changed_predictions"] == 0.25 and summary["changed_blocks"] == 0.5
+    assert summary["delta_below_half_gap"] == 0.75
+    assert [b["predictions"] for b in summary["by_gap"]] == [2, 2]
+    assert [b["changed"] for b in summary["by_gap"]] == [0.5, 0.0]

@@ -106,3 +106,14 @@ def paired_gains(sums: SampleSums, reference: SampleSums, *, seed: int = 0) -> d
         )
     ours, theirs = metric_parts(sums), metric_parts(reference)
     return {name: paired_difference(*ours[name], *theirs[name], seed=seed) for name in ours}
+
+
+def wilson(mean_N: np.ndarray, count_N: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`(low, high)` of the Wilson score interval at `LEVEL` of proportions `mean` over `count` trials (bins
+    of a reliability diagram: exact coverage behaviour for 0/1 outcomes, conservative for means of values
+    in [0, 1]); finite at 0 and 1 where the normal interval collapses."""
+    z = stats.norm.ppf(0.5 + LEVEL / 2)
+    mean, n = np.asarray(mean_N, np.float64), np.asarray(count_N, np.float64)
+    centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half

@@ -6,15 +6,21 @@ import os
 from collections.abc import Mapping, Sequence
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+from dspark_jax.suite import intervals
 
 
 def reliability_diagrams(
     path: str | os.PathLike, tables: Mapping[str, Sequence[Mapping[str, list]]], title: str
 ) -> None:
-    """One panel per position: measured vs predicted acceptance per bin, a curve per table name.
+    """One panel per position: measured vs predicted acceptance per bin, a curve per table name, each point
+    labelled with its bin's number of blocks and with a 95% Wilson bar (exact for 0/1 greedy acceptance,
+    wide enough for a mean of `n` values in [0, 1]): a line through bins of a handful of blocks reads as
+    noise, not as a finding.
 
     `tables[name][k]` is `calibration.reliability(...)` of position `k` (bins with `count`, mean
     `confidence` and mean `accuracy`); the diagonal is perfect calibration.
@@ -31,16 +37,32 @@ def reliability_diagrams(
         ax.plot([0, 1], [0, 1], color="0.7", lw=1)
         for name in names:
             bins = tables[name][k]
-            kept = [(c, a) for c, a in zip(bins["confidence"], bins["accuracy"]) if c is not None]
+            kept = [
+                (c, a, n)
+                for c, a, n in zip(bins["confidence"], bins["accuracy"], bins["count"])
+                if c is not None
+            ]
             if kept:
-                ax.plot(*zip(*kept), marker="o", ms=3, label=name)
-        ax.set(xlim=(0, 1), ylim=(0, 1), title=f"prefix through proposal {k + 1}")
+                xs, ys, ns = map(np.asarray, zip(*kept))
+                low, high = intervals.wilson(ys, ns)
+                bars = np.stack([ys - low, high - ys]).clip(0, None)
+                line = ax.errorbar(xs, ys, yerr=bars, marker="o", ms=3, capsize=2, lw=1, label=name)
+                for x, y, n in kept:
+                    ax.annotate(
+                        str(n),
+                        (x, y),
+                        fontsize=6,
+                        color=line[0].get_color(),
+                        xytext=(2, 2),
+                        textcoords="offset points",
+                    )
+        ax.set(xlim=(0, 1), ylim=(0, 1.05), title=f"prefix through proposal {k + 1}")
         if k % cols == 0:
             ax.set_ylabel("measured acceptance")
         if k >= positions - cols:
             ax.set_xlabel("predicted survival")
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(f"{title} (point labels: blocks in the bin; bars: 95%)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

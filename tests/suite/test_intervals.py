@@ -78,3 +78,10 @@ def test_identical_drafts_gain_exactly_zero_and_other_samples_are_refused():
     assert (gain.estimate, gain.low, gain.high) == (0.0, 0.0, 0.0) and not gain.excludes_zero
     with pytest.raises(ValueError, match="same validation samples"):
         intervals.paired_gains(same, _sums([[0, 0, 0], [0, 1, 0], [0, 1, 8]], [3, 2, 5], [2, 1, 3]))
+
+
+def test_the_wilson_interval_of_a_bin_matches_its_closed_form_values():
+    """0 of 10 gives [0, 0.2775] (not the normal interval's [0, 0]); 50 of 100 gives [0.4038, 0.5962]."""
+    low, high = intervals.wilson(np.array([0.0, 0.5, 1.0]), np.array([10, 100, 3]))
+    np.testing.assert_allclose(low, [0.0, 0.4038, 0.4385], atol=1e-4)
+    np.testing.assert_allclose(high, [0.2775, 0.5962, 1.0], atol=1e-4)

@@ -19,9 +19,9 @@ import numpy as np
 from etils import epath
 
 from dspark_jax import groups as registry
-from dspark_jax.suite import intervals, plan
-from dspark_jax.suite.intervals import Interval
-from dspark_jax.training.evaluation import SampleSums
+from dspark_jax.suite import plan
+from dspark_jax.training import intervals
+from dspark_jax.training.intervals import Interval, SampleSums
 
 EVALUATION_JSON, EVALUATION_NPZ = "evaluation.json", "evaluation.npz"
 OWN, SAME = "own", "same_prefixes"

@@ -11,7 +11,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from dspark_jax.suite import intervals
+from dspark_jax.training import intervals
 
 
 def reliability_diagrams(
@@ -70,16 +70,20 @@ def reliability_diagrams(
 
 def lines(
     path: str | os.PathLike,
-    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    series: Mapping[str, tuple[Sequence[float], ...]],
     *,
     xlabel: str,
     ylabel: str,
     title: str,
 ) -> None:
-    """One line per name over `(xs, ys)`, on one axis."""
+    """One line per name over `(xs, ys)`, on one axis; `(xs, ys, lows, highs)` adds a shaded 95% band (a
+    point without its interval, None, leaves a gap in the band)."""
     fig, ax = plt.subplots(figsize=(7.0, 4.2))
-    for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", ms=3, label=name)
+    for name, (xs, ys, *band) in series.items():
+        (line,) = ax.plot(xs, ys, marker="o", ms=3, label=name)
+        if band:
+            low, high = (np.asarray([np.nan if v is None else v for v in b], np.float64) for b in band)
+            ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.15, lw=0)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

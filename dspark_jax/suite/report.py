@@ -17,7 +17,7 @@ from etils import epath
 
 from dspark_jax import groups as registry
 from dspark_jax.run import checkpoints
-from dspark_jax.suite import comparisons, intervals, plan, plots
+from dspark_jax.suite import comparisons, plan, plots
 from dspark_jax.suite.runner import (
     EVALUATION_DIR,
     PARAMS_FILE,
@@ -26,6 +26,7 @@ from dspark_jax.suite.runner import (
     TARGET_ONLY_DIR,
     setting_name,
 )
+from dspark_jax.training import intervals
 from dspark_jax.training.loop import SUMMARY_FILE
 from dspark_jax.training.metrics_writer import METRICS_FILE, MetricWriter
 
@@ -221,11 +222,16 @@ def _plots(out: epath.Path, groups: list[_Group]) -> None:
     plots.lines(
         out / "tau_prob.png",
         {
-            _label(g.name): ([x["step"] for x in g.evals], [x["eval/tau_prob"] for x in g.evals])
+            _label(g.name): (
+                [x["step"] for x in g.evals],
+                [x["eval/tau_prob"] for x in g.evals],
+                [x.get("eval/tau_prob_low95") for x in g.evals],
+                [x.get("eval/tau_prob_high95") for x in g.evals],
+            )
             for g in groups
         },
         xlabel="step (cumulative for runs started from a checkpoint)",
-        ylabel="eval tau_prob",
+        ylabel="eval tau_prob (band: 95% over validation samples)",
         title="Validation tau_prob per group",
     )
     block = _block_size(groups)

@@ -1,9 +1,10 @@
 """Teacher-forced evaluation of a draft on a validation cache (`eval/tau_prob`, `accept_rate_i`, ...).
 
-Besides the summed metrics, a checkpoint's evaluation can keep per validation sample the sums its tau_prob
-and accept rates are ratios of (`SampleSums`: the unit the report's intervals resample), and can measure a
-draft on the prefixes another group picks (`Experiment.prefixes`, e.g. Draft Memory's stage-2 anchors), so
-that groups are compared on the same prefixes.
+Besides the summed metrics, an evaluation keeps per validation sample the sums its tau_prob and accept
+rates are ratios of (`intervals.SampleSums`: the unit an interval resamples; every evaluation logs
+tau_prob's 95% interval), and can measure a draft on the prefixes another group picks
+(`Experiment.prefixes`, e.g. Draft Memory's stage-2 anchors), so that groups are compared on the same
+prefixes.
 """
 
 from __future__ import annotations
@@ -25,20 +26,40 @@ from dspark_jax.draft import objective
 from dspark_jax.groups import Experiment
 from dspark_jax.run import config_lib, draft_state, sources, target_side
 from dspark_jax.target import TargetConfig
+from dspark_jax.training import intervals
 from dspark_jax.training import step as step_lib
+from dspark_jax.training.intervals import SampleSums
 
 
 def make_eval_sums(
     graphdef: nnx.GraphDef, experiment: Experiment, features: step_lib.Features | None = None
 ) -> Callable:
-    """Jitted `(params, rest, frozen, batch) -> sums` of the experiment's evaluation; `features` (online
-    training) first adds the target's states to the batch."""
+    """Jitted `(params, rest, frozen, batch) -> (sums, block records)` of the experiment's evaluation
+    (`evaluation_with_records`); `features` (online training) first adds the target's states to the batch."""
 
     def sums(params, rest, frozen, batch):
         batch = batch if features is None else features(frozen, batch)
-        return experiment.evaluation_sums(nnx.merge(graphdef, params, rest), frozen, batch)
+        return evaluation_with_records(experiment, nnx.merge(graphdef, params, rest), frozen, batch)
 
     return jax.jit(sums)
+
+
+def sample_keys(batch: Mapping[str, np.ndarray], index: int) -> np.ndarray:
+    """Each block's sample key `[rows, N, 3]`: (micro-batch index, row, the sample's first index in the
+    row), from a host batch's anchors and positions."""
+    anchors_BxN = np.asarray(batch["anchors"])
+    rows_BxN = np.broadcast_to(np.arange(anchors_BxN.shape[0])[:, None], anchors_BxN.shape)
+    starts_BxN = anchors_BxN - np.take_along_axis(np.asarray(batch["positions"]), anchors_BxN, axis=1)
+    return np.stack([np.full_like(anchors_BxN, index), rows_BxN, starts_BxN], axis=-1)
+
+
+def _finish(experiment: Experiment, total, records: list, keys: list) -> tuple[dict[str, float], SampleSums]:
+    """Metrics of the summed sums and the per-sample sums of the collected block records."""
+    if total is None:
+        raise ValueError("the validation cache yields no batch; it needs at least one micro-batch of samples")
+    metrics = {k: float(x) for k, x in jax.device_get(experiment.metrics(total)).items()}
+    joined = {k: np.concatenate([r[k] for r in records]) for k in ("figure_overlap", "eval_mask")}
+    return metrics, intervals.sample_sums(joined, np.concatenate(keys))
 
 
 def evaluate(
@@ -52,16 +73,23 @@ def evaluate(
     max_batches: int,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> dict[str, float]:
-    """Metrics over validation batches (all of them when `max_batches` is 0), summed globally."""
-    total = None
+    """Metrics over validation batches (all of them when `max_batches` is 0), summed globally, with
+    `tau_prob_low95` / `tau_prob_high95`: its interval over the validation samples (`intervals.ratio`)."""
+    total, records, keys = None, [], []
     for index, batch in enumerate(batches):
         if max_batches and index >= max_batches:
             break
-        sums = eval_sums(params, rest, frozen, to_global(device_fields(batch), mesh, rules))
+        sums, batch_records = eval_sums(params, rest, frozen, to_global(device_fields(batch), mesh, rules))
         total = sums if total is None else step_lib.accumulate(total, sums)
-    if total is None:
-        raise ValueError("the validation cache yields no batch; it needs at least one micro-batch of samples")
-    return {k: float(v) for k, v in jax.device_get(experiment.metrics(total)).items()}
+        records.append({k: np.asarray(x) for k, x in jax.device_get(batch_records).items()})
+        keys.append(sample_keys(batch, index))
+    metrics, samples = _finish(experiment, total, records, keys)
+    try:
+        tau = intervals.ratio(samples.tau_K, samples.blocks_K)
+        metrics |= {"tau_prob_low95": tau.low, "tau_prob_high95": tau.high}
+    except ValueError:  # a single validation sample: no interval
+        pass
+    return metrics
 
 
 class Validation(NamedTuple):
@@ -211,8 +239,7 @@ def _records_fn(v: Validation, prefixes: Prefixes | None) -> Callable:
 
 
 def _measured_batches(v: Validation, prefixes: Prefixes | None) -> Iterator[tuple[dict, dict, np.ndarray]]:
-    """Per validation micro-batch: its sums, its block records (`[rows, N, S]`) and each block's sample key
-    `[rows, N, 3]` (micro-batch, row, the sample's first index in the row)."""
+    """Per validation micro-batch: its sums, its block records (`[rows, N, S]`) and `sample_keys`."""
     fn = _records_fn(v, prefixes)
     prefix_state = (None, None) if prefixes is None else (prefixes.params, prefixes.rest)
     with sharding.activation_sharding(v.mesh, v.rules):
@@ -220,45 +247,13 @@ def _measured_batches(v: Validation, prefixes: Prefixes | None) -> Iterator[tupl
             fields = device_fields(batch)
             sums, records = fn(v.params, v.rest, *prefix_state, v.frozen, to_global(fields, v.mesh, v.rules))
             sums, records = jax.device_get((sums, records))
-            anchors_BxN = np.asarray(batch["anchors"])
-            rows_BxN = np.broadcast_to(np.arange(anchors_BxN.shape[0])[:, None], anchors_BxN.shape)
-            starts_BxN = anchors_BxN - np.take_along_axis(np.asarray(batch["positions"]), anchors_BxN, axis=1)
-            keys = np.stack([np.full_like(anchors_BxN, index), rows_BxN, starts_BxN], axis=-1)
-            yield sums, {k: np.asarray(x) for k, x in records.items()}, keys
+            yield sums, {k: np.asarray(x) for k, x in records.items()}, sample_keys(batch, index)
 
 
 def block_records(v: Validation, prefixes: Prefixes | None = None) -> list[dict[str, np.ndarray]]:
     """Per validation micro-batch, the teacher-forced per-block records of `objective.recording_blocks`
     (`[rows, N, S]` arrays) of the experiment's own evaluation forward (on `prefixes`' blocks if given)."""
     return [records for _, records, _ in _measured_batches(v, prefixes)]
-
-
-class SampleSums(NamedTuple):
-    """Per validation sample (`K` of them, ordered by key), the sums its tau_prob and accept rates are
-    ratios of: tau_prob = `tau.sum() / blocks.sum()`, accept_rate_i = `accept[:, i].sum() /
-    accept_count[:, i].sum()` (as `objective.metrics_from_sums` divides them)."""
-
-    keys_Kx3: np.ndarray  # (micro-batch, row, first index in the row): pairs two drafts' samples
-    tau_K: np.ndarray
-    blocks_K: np.ndarray
-    accept_KxS: np.ndarray
-    accept_count_KxS: np.ndarray
-
-
-def sample_sums(records: Mapping[str, np.ndarray], keys_BxNx3: np.ndarray) -> SampleSums:
-    """`SampleSums` of block records (`[rows, N, S]`, micro-batches concatenated along rows; the acceptance
-    is `figure_overlap`, what the group's own tau_prob counts) and their blocks' sample keys; a sample
-    without a valid block keeps zero sums."""
-    mask_XxS = records["eval_mask"].reshape(-1, records["eval_mask"].shape[-1]).astype(np.float64)
-    accepted_XxS = records["figure_overlap"].reshape(mask_XxS.shape) * mask_XxS
-    valid_X = mask_XxS[:, 0] > 0
-    tau_X = np.where(valid_X, 1.0 + np.cumprod(accepted_XxS, axis=-1).sum(-1), 0.0)
-    keys_Kx3, sample_X = np.unique(keys_BxNx3.reshape(-1, 3), axis=0, return_inverse=True)
-    sample_X = sample_X.reshape(-1)
-    total = lambda x_X: np.bincount(sample_X, weights=x_X, minlength=len(keys_Kx3))
-    per_position = lambda x_XxS: np.stack([total(x_XxS[:, i]) for i in range(x_XxS.shape[1])], axis=1)
-    blocks_K = total(valid_X.astype(np.float64))
-    return SampleSums(keys_Kx3, total(tau_X), blocks_K, per_position(accepted_XxS), per_position(mask_XxS))
 
 
 def measure_checkpoint(
@@ -271,8 +266,4 @@ def measure_checkpoint(
         total = sums if total is None else jax.tree.map(np.add, total, sums)
         records.append(batch_records)
         keys.append(batch_keys)
-    if total is None:
-        raise ValueError("the validation cache yields no batch; it needs at least one micro-batch of samples")
-    metrics = {k: float(x) for k, x in jax.device_get(v.experiment.metrics(total)).items()}
-    joined = {k: np.concatenate([r[k] for r in records]) for k in ("figure_overlap", "eval_mask")}
-    return metrics, sample_sums(joined, np.concatenate(keys))
+    return _finish(v.experiment, total, records, keys)

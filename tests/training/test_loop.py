@@ -238,6 +238,7 @@ def test_metrics_are_finite_and_named(cache_dir, tmp_path):
         "eval/wall_minutes",
     ):
         assert math.isfinite(last[name]), name
+    assert last["eval/tau_prob_low95"] < last["eval/tau_prob"] < last["eval/tau_prob_high95"]
     assert (tmp_path / "tensorboard").is_dir()
 
 

@@ -7,7 +7,8 @@ from dspark_jax import groups
 from dspark_jax.draft.model import DSparkDraft
 from dspark_jax.draft.objective import metrics_from_sums
 from dspark_jax.groups.memory import group as memory
-from dspark_jax.training.evaluation import evaluation_with_records, sample_sums
+from dspark_jax.training.evaluation import evaluation_with_records
+from dspark_jax.training.intervals import sample_sums
 from tests.draft.test_reference import CFG, _forward, _metrics, _randomize
 from tests.groups.test_memory import _model, _reference_two_stage, crafted_batch
 from tests.groups.test_reranker import _setup as _reranker_setup

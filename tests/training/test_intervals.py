@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from dspark_jax.suite import intervals
-from dspark_jax.training.evaluation import SampleSums
+from dspark_jax.training import intervals
+from dspark_jax.training.intervals import SampleSums
 
 
 def test_a_mean_of_bernoulli_units_gets_the_normal_interval():

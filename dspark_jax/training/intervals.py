@@ -1,5 +1,5 @@
-"""95% intervals of the report's figures by resampling their units: validation samples for the offline
-metrics, requests for decoding.
+"""95% intervals of the figures by resampling their units: validation samples for the offline metrics,
+requests for decoding.
 
 Every figure is a ratio of sums over units (tau_prob = summed block tau / blocks, accept_rate_i = summed
 overlap / predictions at position i, MAL = accepted tokens / cycles), so an interval resamples the units with
@@ -12,12 +12,40 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 from scipy import stats
 
-from dspark_jax.training.evaluation import SampleSums
+
+class SampleSums(NamedTuple):
+    """Per validation sample (`K` of them, ordered by key), the sums its tau_prob and accept rates are
+    ratios of: tau_prob = `tau.sum() / blocks.sum()`, accept_rate_i = `accept[:, i].sum() /
+    accept_count[:, i].sum()` (as `objective.metrics_from_sums` divides them)."""
+
+    keys_Kx3: np.ndarray  # (micro-batch, row, first index in the row): pairs two drafts' samples
+    tau_K: np.ndarray
+    blocks_K: np.ndarray
+    accept_KxS: np.ndarray
+    accept_count_KxS: np.ndarray
+
+
+def sample_sums(records: Mapping[str, np.ndarray], keys_BxNx3: np.ndarray) -> SampleSums:
+    """`SampleSums` of block records (`[rows, N, S]`, micro-batches concatenated along rows; the acceptance
+    is `figure_overlap`, what the group's own tau_prob counts) and their blocks' sample keys; a sample
+    without a valid block keeps zero sums."""
+    mask_XxS = records["eval_mask"].reshape(-1, records["eval_mask"].shape[-1]).astype(np.float64)
+    accepted_XxS = records["figure_overlap"].reshape(mask_XxS.shape) * mask_XxS
+    valid_X = mask_XxS[:, 0] > 0
+    tau_X = np.where(valid_X, 1.0 + np.cumprod(accepted_XxS, axis=-1).sum(-1), 0.0)
+    keys_Kx3, sample_X = np.unique(keys_BxNx3.reshape(-1, 3), axis=0, return_inverse=True)
+    sample_X = sample_X.reshape(-1)
+    total = lambda x_X: np.bincount(sample_X, weights=x_X, minlength=len(keys_Kx3))
+    per_position = lambda x_XxS: np.stack([total(x_XxS[:, i]) for i in range(x_XxS.shape[1])], axis=1)
+    blocks_K = total(valid_X.astype(np.float64))
+    return SampleSums(keys_Kx3, total(tau_X), blocks_K, per_position(accepted_XxS), per_position(mask_XxS))
+
 
 LEVEL = 0.95
 RESAMPLES = 9999  # scipy's default: the endpoints' Monte Carlo error is ~1.5% of the half-width

@@ -1,6 +1,7 @@
 """Groups measured on the same prefixes (Draft Memory's stage-2 anchors); per-sample sums of the metrics."""
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from dspark_jax import groups
@@ -83,3 +84,21 @@ def test_a_rerankers_sample_sums_count_its_own_reranked_tau():
     rates = per.accept_KxS.sum(0) / per.accept_count_KxS.sum(0)
     want = [float(metrics[f"rerank_accept_rate_{i}"]) for i in range(7)]
     np.testing.assert_allclose(rates, want, rtol=1e-5, atol=1e-7)
+
+
+def test_prefixes_from_a_group_that_picks_none_or_from_other_batches_are_refused():
+    """Before any restore: a picker whose group has no prefixes of its own, or whose config would give other
+    validation batches (another seed, other data), is a one-line error naming what differs."""
+    from dspark_jax.errors import UsageError
+    from dspark_jax.suite import plan
+    from dspark_jax.training.evaluation import Validation, open_prefixes
+
+    rows = {g.name: g for g in plan.groups("seed")}
+    config = {name: plan.group_config(rows[name], "smoke") for name in ("baseline", "memory")}
+    v = Validation(config["baseline"], groups.get("baseline"), *[None] * (len(Validation._fields) - 2))
+    with pytest.raises(UsageError, match=r"'baseline' run, a group without prefixes of its own; .*'memory'"):
+        open_prefixes(v, config["baseline"], "/nowhere")
+    other = config["memory"].copy_and_resolve_references()
+    other.seed += 1
+    with pytest.raises(UsageError, match="trained with another seed than the draft measured on its prefixes"):
+        open_prefixes(v, other, "/nowhere")

@@ -92,8 +92,8 @@ class Protocol:
     prompts of the packaged GSM8K-256 (0 = all), `max_new_tokens` per reply, `concurrency` requests per
     program, at each `(temperature, schedule)` of `settings`; `time_phases` adds the cycle's latency split
     (draft / select / verify, each phase compiled and timed apart). `budget`: the steps every group trains
-    (`train.stop_step`; an `--override=train.stop_step=N` replaces it), at most half the preset's schedule
-    so that a same-budget row can continue a run to twice it."""
+    (`train.stop_step`, set by `--budget`, never by an override), at most half the preset's schedule so
+    that a same-budget row can continue a run to twice it."""
 
     limit: int
     max_new_tokens: int

@@ -94,6 +94,9 @@ Keys:
   train.log_every           steps between metric lines.
   train.eval_every          steps between validation evaluations (0 = only at the end).
   train.eval_batches        validation batches per evaluation (0 = the whole validation cache).
+  train.seed                the draft's initialisation and the training data order (None = `seed`): runs
+                            of one experiment with other `train.seed`s share the caches, the target and
+                            the validation batches (a suite's `--seeds`).
 """
 
 from ml_collections import config_dict
@@ -277,6 +280,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.train.log_every = {"paper": 10, "demo": 10, "accel": 25, "smoke": 1}[preset]
     c.train.eval_every = {"paper": 651, "demo": 100, "accel": 250, "smoke": 3}[preset]
     c.train.eval_batches = {"paper": 0, "demo": 0, "accel": 0, "smoke": 2}[preset]
+    c.train.seed = config_dict.placeholder(int)
     c.lock()
     return c
 

@@ -1,7 +1,7 @@
 """Run an experiment suite and write its report.
 
   python -m dspark_jax.experiments --suite=seed --preset=demo [--workdir=DIR] [--report_dir=DIR] \
-      [--groups=baseline,memory] [--override=KEY=VALUE ...] [--budget=STEPS] [--limit=N] \
+      [--groups=baseline,memory] [--override=KEY=VALUE ...] [--budget=STEPS] [--seeds=N] [--limit=N] \
       [--max_new_tokens=N] [--concurrency=C] [--settings=0:fixed,1:confidence] [--report_only]
 
 The `seed` suite trains the seed's seven groups at the protocol's step budget on one shared cache (a group
@@ -40,6 +40,9 @@ _BUDGET = flags.DEFINE_integer(
     "Training steps of every group (train.stop_step; at most half the preset's schedule, for the same-budget "
     "rows); default: the preset's.",
 )
+_SEEDS = flags.DEFINE_integer(
+    "seeds", None, "Train every row this many times with other train.seed values; default: the preset's (1)."
+)
 _LIMIT = flags.DEFINE_integer("limit", None, "Prompts decoded per setting (0 = all); default: the preset's.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "New tokens per reply; default: the preset's.")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", None, "Requests decoded together; default: the preset's.")
@@ -58,6 +61,7 @@ def main(argv):
             f"must be one of {sorted(plan.PROTOCOLS)}, got {_PRESET.value!r}",
         ),
         budget=(_BUDGET.value is None or _BUDGET.value >= 1, f"must be >= 1, got {_BUDGET.value}"),
+        seeds=(_SEEDS.value is None or _SEEDS.value >= 1, f"must be >= 1, got {_SEEDS.value}"),
         limit=(_LIMIT.value is None or _LIMIT.value >= 0, f"must be >= 0 (0 = all), got {_LIMIT.value}"),
         max_new_tokens=(_MAX_NEW.value is None or _MAX_NEW.value >= 1, f"must be >= 1, got {_MAX_NEW.value}"),
         concurrency=(
@@ -72,6 +76,7 @@ def main(argv):
     protocol = plan.PROTOCOLS[_PRESET.value]
     given = {
         "budget": _BUDGET.value,
+        "seeds": _SEEDS.value,
         "limit": _LIMIT.value,
         "max_new_tokens": _MAX_NEW.value,
         "concurrency": _CONCURRENCY.value,

@@ -246,6 +246,13 @@ def from_stored(data: Mapping[str, Any]) -> config_dict.ConfigDict:
     return config
 
 
+def train_seed(config) -> int:
+    """The seed of the draft's initialisation and of the training data order: `train.seed`, else `seed`
+    (a config stored before `train.seed` existed has the latter only)."""
+    seed = config.train.get("seed")
+    return config.seed if seed is None else seed
+
+
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """`{'draft.num_heads': 8, ...}`; lists and tuples compare equal."""
     out = {}

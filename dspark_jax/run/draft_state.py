@@ -32,7 +32,8 @@ def abstract_draft(config, target: TargetConfig) -> tuple[nnx.GraphDef, nnx.Stat
     """`(graphdef, params, rest)` of the config's draft as `ShapeDtypeStruct`s (nothing allocated)."""
     build = groups.get(config.experiment).build_draft
     cfg = draft_config(config, target)
-    return nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(config.seed))), nnx.Param, ...)
+    seed = config_lib.train_seed(config)
+    return nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(seed))), nnx.Param, ...)
 
 
 def _build_state(config, target: TargetConfig, mesh: Mesh, *, with_params: bool):
@@ -50,7 +51,7 @@ def _build_state(config, target: TargetConfig, mesh: Mesh, *, with_params: bool)
 
     @functools.partial(jax.jit, out_shardings=out_shardings)
     def init():
-        _, params, rest = nnx.split(build(cfg, rngs=nnx.Rngs(config.seed)), nnx.Param, ...)
+        _, params, rest = nnx.split(build(cfg, rngs=nnx.Rngs(config_lib.train_seed(config))), nnx.Param, ...)
         return (params if with_params else None), rest
 
     return init()

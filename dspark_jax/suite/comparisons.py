@@ -169,15 +169,16 @@ def _gain(row: Row, against: Row, kind: str) -> Gain:
 
 
 def gains(rows: Sequence[Row], suite_groups: Sequence[plan.Group]) -> list[Gain]:
-    """Every non-reference row against the reference row of its step; a row that starts from another's
-    checkpoint also against that row (its starting point)."""
-    reference = suite_groups[0].name
-    refs = {r.step: r for r in rows if reference in (r.group.name, r.group.continues)}
+    """Every non-reference row against the reference row of its step and seed; a row that starts from
+    another's checkpoint also against that row (its starting point), a continued run against its source."""
+    reference = suite_groups[0].module
+    refs = {(r.group.seed_offset, r.step): r for r in rows if r.group.module == reference}
     by_name = {r.group.name: r for r in rows}
     out = []
     for r in rows:
-        if r.group.name != reference and r.step in refs and refs[r.step] is not r:
-            out.append(_gain(r, refs[r.step], "same budget"))
+        ref = refs.get((r.group.seed_offset, r.step))
+        if r.group.module != reference and ref is not None:
+            out.append(_gain(r, ref, "same budget"))
         if r.group.starts_from in by_name:
             out.append(_gain(r, by_name[r.group.starts_from], "its starting checkpoint"))
         if r.group.continues in by_name:
@@ -241,4 +242,40 @@ def design_table(
         answers += [_verdict(g) for g in found if g.row.group.continues == group.name == g.against.group.name]
         answer = "; ".join(answers) or "-"
         body.append([group.label, design.initialisation, design.updates, adds, design.question, answer])
+    return _markdown(head, body)
+
+
+def _base(group: plan.Group) -> str:
+    """The row a seed row repeats (`plan.with_seeds`)."""
+    return group.name.removesuffix(f"_seed{group.seed_offset}") if group.seed_offset else group.name
+
+
+def seeds_table(rows: Sequence[Row], found: Sequence[Gain]) -> list[str]:
+    """Per row trained with several seeds: tau_prob on its own blocks and its same-budget gain (on the same
+    prefixes where its own blocks are its own picks), mean and standard deviation across the seeds, and
+    the range; empty without seed rows."""
+    if not any(r.group.seed_offset for r in rows):
+        return []
+    taus, deltas, labels = {}, {}, {}
+    for r in rows:
+        base = _base(r.group)
+        labels.setdefault(base, r.group.label)
+        num, den = intervals.metric_parts(r.samples[OWN])["tau_prob"]
+        taus.setdefault(base, []).append(float(num.sum() / den.sum()))
+    for g in found:
+        if g.kind == "same budget" and (x := g.tau_own or g.tau_same) is not None:
+            deltas.setdefault(_base(g.row.group), []).append(x.estimate)
+
+    def spread(values: list[float], signed: bool) -> str:
+        if not values:
+            return "-"
+        v = np.asarray(values)
+        sd = float(v.std(ddof=1)) if len(v) > 1 else 0.0
+        f = (lambda x: f"{x:+.4f}") if signed else (lambda x: f"{x:.4f}")
+        return f"{f(v.mean())} +- {sd:.4f} ({f(v.min())} .. {f(v.max())})"
+
+    head = ["row", "seeds", "tau_prob, own blocks: mean +- sd (range)", "d tau_prob, same budget: mean +- sd"]
+    body = [
+        [labels[b], str(len(taus[b])), spread(taus[b], False), spread(deltas.get(b, []), True)] for b in taus
+    ]
     return _markdown(head, body)

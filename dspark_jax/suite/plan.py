@@ -37,9 +37,33 @@ class Group:
     starts_from: str | None = None
     continues: str | None = None
     budget_of: str | None = None
+    seed_offset: int = 0  # `train.seed = seed + seed_offset` (the suite's `--seeds`)
 
 
 SAME_BUDGET = "{source}_same_budget"
+SEED_ROW = "{name}_seed{offset}"
+
+
+def with_seeds(rows: Sequence[Group], seeds: int) -> tuple[Group, ...]:
+    """The rows, then for each `k = 1 .. seeds - 1` every row again with `train.seed = seed + k`: the same
+    caches, target and validation batches, another initialisation and training data order; a row that
+    starts from or continues another does so from that row of its own seed."""
+    rename = lambda name, k: name and SEED_ROW.format(name=name, offset=k)
+    out = list(rows)
+    for k in range(1, seeds):
+        out += [
+            dataclasses.replace(
+                g,
+                name=rename(g.name, k),
+                label=f"{g.label}, seed +{k}",
+                starts_from=rename(g.starts_from, k),
+                continues=rename(g.continues, k),
+                budget_of=rename(g.budget_of, k),
+                seed_offset=k,
+            )
+            for g in rows
+        ]
+    return tuple(out)
 
 
 def suites() -> dict[str, tuple[Group, ...]]:
@@ -93,11 +117,13 @@ class Protocol:
     program, at each `(temperature, schedule)` of `settings`; `time_phases` adds the cycle's latency split
     (draft / select / verify, each phase compiled and timed apart). `budget`: the steps every group trains
     (`train.stop_step`, set by `--budget`, never by an override), at most half the preset's schedule so
-    that a same-budget row can continue a run to twice it."""
+    that a same-budget row can continue a run to twice it. `seeds`: every row trained this many times with
+    other `train.seed`s (`with_seeds`), the report showing the spread across them."""
 
     limit: int
     max_new_tokens: int
     budget: int
+    seeds: int = 1
     concurrency: int = 1
     settings: tuple[tuple[float, str], ...] = ALL_SETTINGS
     time_phases: bool = True
@@ -148,7 +174,7 @@ def command_line(record: Mapping) -> str:
     if record["groups"] != [g.name for g in suites()[suite]]:
         flags.append("--groups=" + ",".join(record["groups"]))
     flags += [f"--override={o}" for o in record["overrides"]]
-    for name in ("budget", "limit", "max_new_tokens", "concurrency"):
+    for name in ("budget", "seeds", "limit", "max_new_tokens", "concurrency"):
         if protocol.get(name, getattr(default, name)) != getattr(default, name):  # older records: no budget
             flags.append(f"--{name}={protocol[name]}")
     settings = tuple((float(t), s) for t, s in protocol["settings"])

@@ -287,6 +287,21 @@ def _tensorboard(root: epath.Path, groups: list[_Group]) -> None:
             writer.write(step, values)
 
 
+def _seeds_section(rows, found) -> list[str]:
+    table = comparisons.seeds_table(rows, found)
+    if not table:
+        return []
+    return [
+        "## Across training seeds",
+        "",
+        "Rows trained with several `train.seed`s (`--seeds`; the same caches, target and validation batches):"
+        " the spread of each figure across seeds, next to the within-run intervals above.",
+        "",
+        *table,
+        "",
+    ]
+
+
 def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
     """Writes `out/report.md`, its plots and `out/data/`; returns the report's path."""
     root, out = epath.Path(root), epath.Path(out)
@@ -295,7 +310,9 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
     record = json.loads((data / SUITE_FILE).read_text())
     params = json.loads((data / PARAMS_FILE).read_text())
     groups = [_Group(data, name) for name in record["groups"]]
-    suite_groups = [g for g in plan.suites()[record["suite"]] if g.name in record["groups"]]
+    seeded = plan.with_seeds(plan.suites()[record["suite"]], record["protocol"].get("seeds", 1))
+    suite_groups = [g for g in seeded if g.name in record["groups"]]
+    _LABELS.update({g.name: g.label for g in suite_groups})
     rows = comparisons.load_rows(data, suite_groups, record["groups"])
     found = comparisons.gains(rows, suite_groups)
     picker = next((e for e in map(registry.find, record["groups"]) if e and e.prefixes), None)
@@ -342,6 +359,7 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
         "",
         *comparisons.gains_table(found),
         "",
+        *_seeds_section(rows, found),
         "## Results",
         "",
         "Offline metrics are the final evaluation on the validation cache (`data/<group>/metrics.jsonl`);"

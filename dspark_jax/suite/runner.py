@@ -108,10 +108,12 @@ class SuiteRun:
         overrides: Sequence[str] = (),
         protocol: plan.Protocol | None = None,
     ):
-        self.groups = plan.groups(suite, names)
+        self.protocol = protocol or plan.PROTOCOLS[preset]
+        if self.protocol.seeds < 1:
+            raise config_lib.UsageError(f"--seeds={self.protocol.seeds}: give 1 or more training seeds a row")
+        self.groups = plan.with_seeds(plan.groups(suite, names), self.protocol.seeds)
         plan.check_overrides(self.groups, preset, overrides)
         self.root = epath.Path(root)
-        self.protocol = protocol or plan.PROTOCOLS[preset]
         self.configs = {}
         budget = [f"train.stop_step={self.protocol.budget}"]
         for group in self.groups:
@@ -123,6 +125,9 @@ class SuiteRun:
                     config.init.step = source.train.stop_step
             if group.continues:
                 config = self._continued(group, config)
+            if group.seed_offset:
+                with config.unlocked():
+                    config.train.seed = config.seed + group.seed_offset
             self.configs[group.name] = config
         targets = {json.dumps(c.target.to_dict(), sort_keys=True, default=str) for c in self.configs.values()}
         if len(targets) != 1:
@@ -142,6 +147,7 @@ class SuiteRun:
             "overrides": list(overrides),
             "protocol": {
                 "budget": self.protocol.budget,
+                "seeds": self.protocol.seeds,
                 "input": str(GSM8K_VAL256),
                 "limit": self.protocol.limit,
                 "max_new_tokens": self.protocol.max_new_tokens,
@@ -226,7 +232,9 @@ class SuiteRun:
 
     def _picker(self) -> plan.Group | None:
         """The suite's row whose group picks its own prefixes (Draft Memory), if there is one."""
-        pickers = [g for g in self.groups if not g.continues and registry.get(g.module).prefixes]
+        pickers = [
+            g for g in self.groups if not (g.continues or g.seed_offset) and registry.get(g.module).prefixes
+        ]
         if len(pickers) > 1:
             names = [g.name for g in pickers]
             raise config_lib.UsageError(f"groups {names} all pick their own prefixes; a suite holds one")

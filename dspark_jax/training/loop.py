@@ -177,7 +177,9 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     micro_rows = t.global_batch // t.grad_accum
     train_iter = make_iterator(
         train_source,
-        sources.pipeline_config(config, side, batch_size=t.global_batch, seed=config.seed, num_epochs=None),
+        sources.pipeline_config(
+            config, side, batch_size=t.global_batch, seed=config_lib.train_seed(config), num_epochs=None
+        ),
     )
 
     def val_batches():

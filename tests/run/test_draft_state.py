@@ -82,3 +82,17 @@ def test_optimizer_state_is_sharded_like_the_parameters(mesh8, experiment):
             assert x.sharding.is_fully_replicated and len(x.sharding.device_set) == 8, name
     assert moments >= 2 * (len(shardings) if experiment == "baseline" else 2)
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(opt_state))
+
+
+def test_train_seed_changes_the_initialisation_and_defaults_to_the_global_seed(mesh1):
+    """`train.seed` seeds the draft's initialisation (another draft), None keeps `seed`'s (the same one)."""
+    config = baseline.get_config("smoke")
+    target = TargetConfig.from_json(config.target.arch.to_dict())
+    leaves = lambda c: np.concatenate(
+        [np.ravel(x) for x in jax.tree.leaves(draft_state.init_draft(c, target, mesh1)[1])]
+    )
+    plain = leaves(config)
+    config.train.seed = config.seed
+    np.testing.assert_array_equal(leaves(config), plain)
+    config.train.seed = config.seed + 1
+    assert not np.array_equal(leaves(config), plain)

@@ -111,3 +111,28 @@ def test_command_line_names_every_flag_that_differs_from_the_preset():
 def test_bad_suite_input_is_one_clear_error(call, message):
     with pytest.raises(UsageError, match=message):
         call()
+
+
+def test_seeds_repeat_every_row_with_another_train_seed_and_their_own_sources(tmp_path):
+    """`--seeds=2` on the frozen reranker's chain: each row again with train.seed = seed + 1, the seed row of
+    the frozen reranker starting from the seed row of the baseline; caches, target and validation batches
+    keep `seed`."""
+    protocol = dataclasses.replace(plan.PROTOCOLS["smoke"], seeds=2)
+    suite = SuiteRun("seed", "smoke", str(tmp_path), names=["reranker_frozen"], protocol=protocol)
+    names = [g.name for g in suite.groups]
+    assert names == [
+        "baseline",
+        "reranker_frozen",
+        "baseline_same_budget",
+        "baseline_seed1",
+        "reranker_frozen_seed1",
+        "baseline_same_budget_seed1",
+    ]
+    c = suite.configs
+    assert c["baseline"].train.seed is None and c["baseline_seed1"].train.seed == c["baseline"].seed + 1
+    assert c["baseline_seed1"].seed == c["baseline"].seed  # the caches, the target, the validation batches
+    assert c["reranker_frozen_seed1"].init.checkpoint == str(tmp_path / "baseline_seed1")
+    assert c["baseline_same_budget_seed1"].train.stop_step == 6
+    assert suite.record["protocol"]["seeds"] == 2
+    with pytest.raises(UsageError, match="--seeds=0"):
+        SuiteRun("seed", "smoke", str(tmp_path), protocol=dataclasses.replace(protocol, seeds=0))

@@ -171,8 +171,10 @@ def command_line(record: Mapping) -> str:
     suite, preset, protocol = record["suite"], record["preset"], record["protocol"]
     default = PROTOCOLS[preset]
     flags = [f"--suite={suite}", f"--preset={preset}"]
-    if record["groups"] != [g.name for g in suites()[suite]]:
-        flags.append("--groups=" + ",".join(record["groups"]))
+    rows = suites()[suite]
+    if [g for g in record["groups"] if g in {r.name for r in rows}] != [g.name for g in rows]:
+        asked = [g.name for g in rows if g.name in record["groups"] and not g.continues]  # the rest follows
+        flags.append("--groups=" + ",".join(asked))
     flags += [f"--override={o}" for o in record["overrides"]]
     for name in ("budget", "seeds", "limit", "max_new_tokens", "concurrency"):
         if protocol.get(name, getattr(default, name)) != getattr(default, name):  # older records: no budget

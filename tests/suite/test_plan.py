@@ -79,6 +79,12 @@ def test_command_line_names_every_flag_that_differs_from_the_preset():
         "python -m dspark_jax.experiments --suite=seed --preset=demo --groups=baseline,memory"
         " --override=train.stop_step=160 --limit=4 --settings=0:fixed,1:confidence"
     )
+    seeded = [g.name for g in plan.with_seeds(plan.groups("seed", ["reranker_frozen"]), 2)]
+    record |= {"groups": seeded, "overrides": [], "protocol": protocol | {"seeds": 2}}
+    assert plan.command_line(record) == (
+        "python -m dspark_jax.experiments --suite=seed --preset=demo --groups=baseline,reranker_frozen"
+        " --seeds=2"
+    )
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from etils import epath
 
 from dspark_jax import groups as registry
 from dspark_jax.suite import plan
+from dspark_jax.suite.runner import SPECULATE_DIR, setting_name
 from dspark_jax.training import intervals
 from dspark_jax.training.intervals import Interval, SampleSums
 
@@ -59,14 +60,15 @@ def load_rows(data: epath.Path, suite_groups: Sequence[plan.Group], names: Seque
             for kind in (OWN, SAME)
             if f"{kind}/tau_K" in arrays
         }
-        spec = {p.stem: json.loads(p.read_text()) for p in (data / name / "speculate").glob("*.json")}
+        spec = {p.stem: json.loads(p.read_text()) for p in (data / name / SPECULATE_DIR).glob("*.json")}
         rows.append(Row(by_name[name], record["step"], samples, spec))
     return rows
 
 
 def _greedy(row: Row) -> dict | None:
     """The temperature-0 run (the fixed schedule where it ran)."""
-    return row.speculative.get("t0-fixed") or row.speculative.get("t0-confidence")
+    runs = row.speculative
+    return runs.get(setting_name(0.0, "fixed")) or runs.get(setting_name(0.0, "confidence"))
 
 
 def _mal_parts(record: dict) -> tuple[np.ndarray, np.ndarray] | None:

@@ -105,7 +105,8 @@ def fmt(interval: Interval | None, digits: int = 4, signed: bool = False) -> str
     return f"**{text}**" if signed and interval.excludes_zero else text
 
 
-def _markdown(head: list[str], body: list[list[str]]) -> list[str]:
+def markdown(head: list[str], body: list[list[str]]) -> list[str]:
+    """A markdown table's lines."""
     line = lambda cells: "| " + " | ".join(cells) + " |"
     return [line(head), "|" + " --- |" * len(head), *map(line, body)]
 
@@ -140,7 +141,7 @@ def figures_table(rows: Sequence[Row]) -> list[str]:
                 fmt(_safe(intervals.ratio, *tps), 1) if tps else "-",
             ]
         )
-    return _markdown(head, body)
+    return markdown(head, body)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +211,7 @@ def gains_table(found: Sequence[Gain]) -> list[str]:
         ]
         for g in found
     ]
-    return _markdown(head, body)
+    return markdown(head, body)
 
 
 def _verdict(g: Gain) -> str:
@@ -244,7 +245,7 @@ def design_table(
         answers += [_verdict(g) for g in found if g.row.group.continues == group.name == g.against.group.name]
         answer = "; ".join(answers) or "-"
         body.append([group.label, design.initialisation, design.updates, adds, design.question, answer])
-    return _markdown(head, body)
+    return markdown(head, body)
 
 
 def _base(group: plan.Group) -> str:
@@ -280,4 +281,4 @@ def seeds_table(rows: Sequence[Row], found: Sequence[Gain]) -> list[str]:
     body = [
         [labels[b], str(len(taus[b])), spread(taus[b], False), spread(deltas.get(b, []), True)] for b in taus
     ]
-    return _markdown(head, body)
+    return markdown(head, body)

@@ -98,12 +98,6 @@ def _signed(value, digits: int = 4) -> str:
     return "-" if value is None else f"{value:+.{digits}f}"
 
 
-def _markdown(head: list[str], body: list[list[str]]) -> list[str]:
-    """A markdown table's lines."""
-    line = lambda cells: "| " + " | ".join(cells) + " |"
-    return [line(head), "|" + " --- |" * len(head), *map(line, body)]
-
-
 _LABELS: dict[str, str] = {g.name: g.label for members in plan.suites().values() for g in members}
 
 
@@ -175,7 +169,7 @@ def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int)
             *(_signed(f.get(f"eval/{key}")) for key, _ in own),
         ]
         body.append(cells)
-    return _markdown(head, body)
+    return comparisons.markdown(head, body)
 
 
 def _decoding_row(g: _Group, t: float, schedule: str, r: dict) -> list[str]:
@@ -215,7 +209,7 @@ def _decoding_table(groups: list[_Group], protocol: Mapping) -> list[str]:
         for t, schedule in protocol["settings"]
         if (r := g.speculative(t, schedule)) is not None
     ]
-    return _markdown(head, body)
+    return comparisons.markdown(head, body)
 
 
 def _plots(out: epath.Path, groups: list[_Group]) -> None:

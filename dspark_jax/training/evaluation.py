@@ -84,11 +84,9 @@ def evaluate(
         records.append({k: np.asarray(x) for k, x in jax.device_get(batch_records).items()})
         keys.append(sample_keys(batch, index))
     metrics, samples = _finish(experiment, total, records, keys)
-    try:
+    if len(samples.tau_K) > 1:  # a single validation sample has no interval
         tau = intervals.ratio(samples.tau_K, samples.blocks_K)
         metrics |= {"tau_prob_low95": tau.low, "tau_prob_high95": tau.high}
-    except ValueError:  # a single validation sample: no interval
-        pass
     return metrics
 
 

@@ -4,6 +4,7 @@ fixtures."""
 import os
 
 from tests import compilation_cache
+from tests.worker_crash import pytest_handlecrashitem, pytest_report_teststatus  # noqa: F401 (hooks)
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"

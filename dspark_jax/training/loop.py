@@ -86,13 +86,17 @@ def split_micro_batches(batch: Mapping[str, np.ndarray], num: int) -> list[dict[
     return [{k: v[i * size : (i + 1) * size] for k, v in fields.items()} for i in range(num)]
 
 
-def forward_seconds(features: step_lib.Features, frozen, micro_batch) -> float:
-    """Seconds of the online feature pass alone (the target's forward) on one micro-batch, compiled."""
+def forward_seconds(features: step_lib.Features, frozen, micro_batch, repeats: int = 5) -> float:
+    """Seconds of the online feature pass alone (the target's forward) on one micro-batch, compiled: the
+    median of `repeats` runs, so one slow run (a busy host) does not set the figure."""
     forward = jax.jit(features)
     jax.block_until_ready(forward(frozen, micro_batch))
-    began = time.perf_counter()
-    jax.block_until_ready(forward(frozen, micro_batch))
-    return time.perf_counter() - began
+    seconds = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        jax.block_until_ready(forward(frozen, micro_batch))
+        seconds.append(time.perf_counter() - began)
+    return float(np.median(seconds))
 
 
 def write_summary(
@@ -242,6 +246,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
         progress.update(step, {"loss": metrics["train/loss"], "tau": metrics["train/tau_prob"]})
 
     stop, computed = False, 0
+    periods: list[float] = []  # wall seconds of each step after the first (compiled)
     features = {"mode": "online" if side.features else "offline"}
     log.info(
         "features: %s",
@@ -275,6 +280,8 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 "train/wall_minutes": (time.perf_counter() - called) / 60,
             }
             pending = (step, device_metrics, counts, host)
+            if step > start + 1:
+                periods.append(host["train/step_seconds"])
             if step == start + 1:
                 jax.block_until_ready(grad_norm)
                 stages["first_step"] = time.perf_counter() - began
@@ -331,9 +338,9 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     checkpointer.wait()
     stages["train"] += time.perf_counter() - stages["eval"] - stages["first_step"]
     writer.close()
-    if "target_seconds_per_step" in features and computed > 1:
-        draft = stages["train"] / (computed - 1) - features["target_seconds_per_step"]
-        features["draft_seconds_per_step"] = round(draft, 4)  # steps after the first: compiled
+    if "target_seconds_per_step" in features and periods:
+        draft = float(np.median(periods)) - features["target_seconds_per_step"]
+        features["draft_seconds_per_step"] = round(draft, 4)  # the median step after the first: compiled
         features["target_seconds_per_step"] = round(features["target_seconds_per_step"], 4)
     write_summary(workdir, checkpointer, stages, offset, (start, computed), features)
     checkpointer.close()

@@ -3,6 +3,7 @@ equals the offline step that reads the same rows' states from the cache."""
 
 import functools
 import json
+import time
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from dspark_jax.suite import plan
 from dspark_jax.target import TargetConfig, random_target
 from dspark_jax.training import evaluation
 from dspark_jax.training import step as step_lib
-from dspark_jax.training.loop import SUMMARY_FILE, split_micro_batches, train
+from dspark_jax.training.loop import SUMMARY_FILE, forward_seconds, split_micro_batches, train
 from tests import bf16
 
 # The demo preset (SmolLM2-135M, packed rows of 1,024 tokens) on a few short conversations.
@@ -243,3 +244,19 @@ def test_the_target_forward_in_chunks_keeps_one_chunks_activations_live(mesh1):
         print(name, "elements that differ:", np.mean(steps > 0), "bf16 steps apart:", np.unique(steps))
         # One step at most where a state is not tiny (near 0 a float32 difference spans many bf16 steps).
         assert np.mean(steps > 0) < 1e-3 and steps[large].max() <= 1, name
+
+
+def test_the_targets_share_of_a_step_is_the_median_of_its_timed_forwards():
+    """One slow forward (a busy host) does not set `target_seconds_per_step`: of five timed runs after the
+    compiling one, the first sleeps 0.5 s and the others 0.01 s."""
+    delays = iter([0.0, 0.5, 0.01, 0.01, 0.01, 0.01])
+
+    def sleep(x):
+        time.sleep(next(delays))
+        return x
+
+    def features(frozen, micro_batch):
+        return jax.pure_callback(sleep, jax.ShapeDtypeStruct((), jnp.float32), micro_batch + frozen)
+
+    seconds = forward_seconds(features, jnp.float32(0), jnp.float32(1))
+    assert 0.01 <= seconds < 0.1, seconds

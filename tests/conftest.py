@@ -10,6 +10,8 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# glibc writes a heap-corruption abort's message to /dev/tty unless told otherwise: keep it in the log.
+os.environ.setdefault("LIBC_FATAL_STDERR_", "1")
 os.environ.update({name: os.environ.get(name, value) for name, value in compilation_cache.ENV.items()})
 
 import jax

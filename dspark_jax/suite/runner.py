@@ -241,30 +241,43 @@ class SuiteRun:
         return pickers[0] if pickers else None
 
     def _evaluate(self, group: plan.Group) -> bool:
-        """The final checkpoint on the validation cache: its own blocks, then the picker's prefixes."""
+        """The final checkpoint on the validation cache: its own blocks, then the picker's prefixes. A row
+        evaluated while its suite held no picker (a `--groups` run without Draft Memory) gains the
+        same-prefix part on a later run that has one; its own-block part is kept."""
         path = self.evaluation_file(group.name)
-        if path.exists():
+        npz = path.parent / f"{path.stem}.npz"
+        picker = self._picker()
+        record = _read_json(path)
+        if record is not None and (picker is None or "same_prefixes" in record):
             return False
         workdir = self.workdir(group.name)
-        log.info("suite: evaluating %s on its own blocks and on the same prefixes", group.name)
         config = checkpoints.run_config(workdir)
         v = open_validation(config, workdir)
-        metrics, samples = measure_checkpoint(v)
-        pretrained = config.init.step if registry.get(config.experiment).init_from else 0
-        record = {"step": pretrained + v.step, "samples": v.samples, "own": metrics}  # cumulative
-        arrays = {f"own/{k}": x for k, x in samples._asdict().items()}
-        picker = self._picker()
+        if record is None:
+            log.info("suite: evaluating %s on its own blocks", group.name)
+            metrics, samples = measure_checkpoint(v)
+            pretrained = config.init.step if registry.get(config.experiment).init_from else 0
+            record = {"step": pretrained + v.step, "samples": v.samples, "own": metrics}  # cumulative
+            arrays = {f"own/{k}": x for k, x in samples._asdict().items()}
+        else:
+            with npz.open("rb") as f:
+                arrays = dict(np.load(f))
         if picker is not None:
+            log.info("suite: evaluating %s on the prefixes of %s", group.name, picker.name)
             picked = self.workdir(picker.name)
             prefixes = open_prefixes(v, checkpoints.run_config(picked), picked)
-            if picker.name != group.name:
+            if picker.name == group.name:  # its own blocks are the prefixes
+                metrics = record["own"]
+                same = {k.removeprefix("own/"): x for k, x in arrays.items() if k.startswith("own/")}
+            else:
                 metrics, samples = measure_checkpoint(v, prefixes)
+                same = samples._asdict()
             record["same_prefixes"] = {"group": picker.name, "step": prefixes.step, "metrics": metrics}
-            arrays |= {f"same_prefixes/{k}": x for k, x in samples._asdict().items()}
+            arrays |= {f"same_prefixes/{k}": x for k, x in same.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        with (path.parent / f"{path.stem}.npz").open("wb") as f:
+        with npz.open("wb") as f:
             np.savez(f, **arrays)
-        _write_json(path, record)  # last: its presence marks the stage done
+        _write_json(path, record)  # last: its presence (with the picker's part, if any) marks the stage done
         jax.clear_caches()
         return True
 

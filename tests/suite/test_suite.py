@@ -32,6 +32,13 @@ def _suite(tmp_path, *extra):
 
 @pytest.mark.slow
 def test_seed_suite_on_smoke_writes_the_table_and_plots_and_skips_finished_groups(tmp_path):
+    # The baseline alone first (no Draft Memory row: no same prefixes yet); the whole suite then adds the
+    # baseline's same-prefix figures to its finished evaluation (`_check_comparisons` reads them).
+    first = _suite(tmp_path, "--groups=baseline")
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "same_prefixes" not in json.loads(
+        next((tmp_path / "work" / "baseline").glob("evaluation/*.json")).read_text()
+    )
     proc = _suite(tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "report"

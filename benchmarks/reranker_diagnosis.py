@@ -49,7 +49,7 @@ def diagnose(workdir: str, batches: int) -> dict:
             out = fn(v.params, v.rest, v.frozen, to_global(device_fields(batch), v.mesh, v.rules))
             parts.append({k: np.asarray(x) for k, x in jax.device_get(out).items()})
     joined = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    step = v.step + (config.init.step if "init" in config else 0)
+    step = v.step + config.get("init", {}).get("step", 0)  # cumulative for the frozen group
     return {
         "workdir": workdir,
         "experiment": config.experiment,

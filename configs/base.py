@@ -97,6 +97,10 @@ Keys:
   train.seed                the draft's initialisation and the training data order (None = `seed`): runs
                             of one experiment with other `train.seed`s share the caches, the target and
                             the validation batches (a suite's `--seeds`).
+  init.from_target_layers   target layer ids (one per draft layer, negative from the top; None = random
+                            init) whose norms, attention projections and MLP the draft's layers start
+                            from (the draft's layer shape must be the target's: num_heads, num_kv_heads,
+                            head_dim, intermediate_size; q/k norms the target lacks keep their init).
 """
 
 from ml_collections import config_dict
@@ -281,6 +285,9 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.train.eval_every = {"paper": 651, "demo": 100, "accel": 250, "smoke": 3}[preset]
     c.train.eval_batches = {"paper": 0, "demo": 0, "accel": 0, "smoke": 2}[preset]
     c.train.seed = config_dict.placeholder(int)
+
+    c.init = config_dict.ConfigDict()
+    c.init.from_target_layers = config_dict.placeholder(tuple)
     c.lock()
     return c
 

@@ -15,8 +15,6 @@ Metrics are logged at `init.step + new step` (`train/new_steps` holds the run's 
 schedule counts the new steps from zero (`train.total_steps` / `train.stop_step` are the new run's).
 """
 
-from ml_collections import config_dict
-
 from configs import reranker_joint
 
 
@@ -24,7 +22,6 @@ def get_config(preset: str = "demo"):
     config = reranker_joint.get_config(preset)
     with config.unlocked():
         config.experiment = "reranker_frozen"
-        config.init = config_dict.ConfigDict()
         config.init.checkpoint = f"workdirs/baseline-{preset}"
         config.init.step = {"paper": 2604, "demo": 300, "accel": 2000, "smoke": 6}[preset]
     return config

@@ -40,6 +40,12 @@ def run(tmp_path, module, *args):
         ("train", [SMOKE, "--config.train.grad_accum=3"], 2, r"train.global_batch=2 is not divisible"),
         (
             "train",
+            [SMOKE, "--config.init.from_target_layers=(0,1)"],
+            2,
+            r"init.from_target_layers=\(0, 1\) names 2 target layers; the draft has draft.num_layers=3",
+        ),
+        (
+            "train",
             [SMOKE, "--config.experiment=nope"],
             2,
             r"config.experiment='nope' is not a registered group",

@@ -47,7 +47,7 @@ def with_absolute_paths(config):
     if config is None:
         return None
     for section, key in (*PATH_KEYS, *_group_keys(config, "path_keys")):
-        if section in config and config[section][key] not in NAMED_SOURCES:
+        if section in config and key in config[section] and config[section][key] not in NAMED_SOURCES:
             config[section][key] = resolve_path(config[section][key])
     return config
 

@@ -10,6 +10,7 @@ import logging
 import os
 
 import jax
+import numpy as np
 from etils import epath
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -18,6 +19,7 @@ from dspark_jax import groups, sharding
 from dspark_jax.run import checkpoints, config_lib
 from dspark_jax.run.checkpoints import Checkpointer
 from dspark_jax.target import TargetConfig
+from dspark_jax.target.load import TensorReader, abstract_model
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +59,79 @@ def _build_state(config, target: TargetConfig, mesh: Mesh, *, with_params: bool)
     return init()
 
 
-def init_draft(config, target: TargetConfig, mesh: Mesh) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """`(graphdef, params, rest)` of a freshly initialised draft, params sharded on `mesh`."""
+def init_draft(
+    config, target: TargetConfig, mesh: Mesh, read_target: TensorReader | None = None
+) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """`(graphdef, params, rest)` of a freshly initialised draft, params sharded on `mesh`; with
+    `init.from_target_layers`, its layers start from those of the target that `read_target` reads."""
     graphdef = abstract_draft(config, target)[0]
     params, rest = _build_state(config, target, mesh, with_params=True)
+    if target_layer_ids(config, target):
+        if read_target is None:
+            raise ValueError("init.from_target_layers needs the target's tensors (read_target)")
+        params = from_target_layers(config, target, params, read_target)
     return graphdef, params, rest
+
+
+def target_layer_ids(config, target: TargetConfig) -> tuple[int, ...]:
+    """`init.from_target_layers` as non-negative target layer ids, one per draft layer, checked before any
+    work (empty: a random init). Only a dense full-attention layer has the draft layer's tensors."""
+    ids = config.get("init", {}).get("from_target_layers")  # absent from configs stored before it
+    if not ids:
+        return ()
+    ids, n = tuple(int(i) for i in ids), target.num_layers
+    if len(ids) != config.draft.num_layers:
+        raise config_lib.UsageError(
+            f"init.from_target_layers={ids} names {len(ids)} target layers; the draft has "
+            f"draft.num_layers={config.draft.num_layers}: name one per draft layer"
+        )
+    bad = [i for i in ids if not -n <= i < n]
+    if bad:
+        raise config_lib.UsageError(f"init.from_target_layers: layer {bad[0]} is not among the target's {n}")
+    ids = tuple(i % n for i in ids)
+    types = target.layer_types or ("full_attention",) * n
+    for i in ids:
+        if types[i] != "full_attention" or target.num_experts:
+            kind = "experts" if target.num_experts else types[i]
+            raise config_lib.UsageError(
+                f"init.from_target_layers: target layer {i} is a {kind} layer; a draft layer starts from a "
+                "dense full-attention one"
+            )
+    return ids
+
+
+def from_target_layers(
+    config, target: TargetConfig, params: nnx.State, read_target: TensorReader
+) -> nnx.State:
+    """`params` with draft layer k's norms, attention projections and MLP read from target layer
+    `init.from_target_layers[k]` (`read_target(path, shape)` takes the target model's variable paths). A
+    draft tensor the target's layer lacks (q/k norms of a Llama target) keeps its init; a shape that differs
+    is refused with the draft keys to set."""
+    ids = target_layer_ids(config, target)
+    target_paths = {
+        tuple(path[2:]): tuple(var.get_value().shape)
+        for path, var in nnx.to_flat_state(nnx.state(abstract_model(target)))
+        if path[0] == "layers" and path[1] == 0
+    }
+    copied, placed = set(), []
+    for path, var in nnx.to_flat_state(params):
+        sub = tuple(path[2:])
+        if path[0] != "layers" or sub not in target_paths:
+            placed.append((path, var))
+            continue
+        value = var.get_value()
+        if target_paths[sub] != tuple(value.shape):
+            raise config_lib.UsageError(
+                f"init.from_target_layers: draft {'.'.join(map(str, sub))} is {tuple(value.shape)}, the "
+                f"target's {target_paths[sub]}: set draft.num_heads={target.num_heads}, "
+                f"num_kv_heads={target.num_kv_heads}, head_dim={target.head_dim}, "
+                f"intermediate_size={target.intermediate_size}"
+            )
+        source = np.asarray(read_target(("layers", ids[path[1]], *sub), tuple(value.shape)))
+        placed.append((path, var.replace(jax.device_put(source.astype(value.dtype), value.sharding))))
+        copied.add(".".join(map(str, sub)))
+    log.info("draft layers start from target layers %s: %s", ids, ", ".join(sorted(copied)))
+    return nnx.from_flat_state(placed)
 
 
 def init_source(config) -> tuple[epath.Path, int] | None:

@@ -5,6 +5,7 @@ when missing."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 
@@ -23,7 +24,7 @@ from dspark_jax.errors import UsageError
 from dspark_jax.run import draft_state, online
 from dspark_jax.target import Target, TargetConfig, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
-from dspark_jax.target.load import abstract_model
+from dspark_jax.target.load import TensorReader, abstract_model, tensor_reader
 from dspark_jax.target.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,16 @@ def load_run_target(config, mesh: Mesh) -> Target:
     return target_from_config(config.target, seed=config.seed, mesh=mesh, rules=sharding.rules_of(config))
 
 
+def target_reader(config, load_target: Callable[[], Target]) -> TensorReader:
+    """`read(path, shape)` of the run's target tensors by model variable path: a checkpoint's tensors read
+    one by one (nothing else loaded), a random target's (`target.random_init`) from `load_target()`."""
+    if config.target.random_init:
+        flat = functools.cache(lambda: dict(nnx.to_flat_state(nnx.state(load_target().model))))
+        return lambda path, shape: np.asarray(flat()[path].get_value())
+    path = default_target_path() if not config.target.path else config.target.path
+    return tensor_reader(load_checkpoint(path))
+
+
 def _cache_complete(path: str) -> bool:
     try:
         return bool(read_manifest(path).get("complete"))
@@ -164,6 +175,7 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
         target = target or load_run_target(config, mesh)
         return target
 
+    draft_state.target_layer_ids(config, side.config)  # refused before the caches, not after
     online_run = not reads_states(config)
     if online_run:
         check_online_fits(config, side.config, mesh)

@@ -107,7 +107,11 @@ def _split_conv_taps(cfg: TargetConfig, weight_Cx1xK: np.ndarray) -> dict[str, n
     return dict(q_taps=q, k_taps=k, v_taps=v)
 
 
-def tensor_reader(ckpt: TargetCheckpoint) -> Callable[[tuple, tuple[int, ...]], np.ndarray]:
+# `read(path, shape)`: the value of the model variable at `path` (e.g. ('layers', 3, 'attn', 'q', 'kernel')).
+TensorReader = Callable[[tuple, tuple[int, ...]], np.ndarray]
+
+
+def tensor_reader(ckpt: TargetCheckpoint) -> TensorReader:
     """`read(path, shape)`: the value of model variable `path` from the checkpoint's tensors, whether it is
     one tensor (`hf_source`), a part of a fused one (gated queries, linear-attention projections, conv
     taps) or a stack of per-expert ones."""
@@ -147,7 +151,7 @@ def abstract_model(
 
 def build_model(
     cfg: TargetConfig,
-    read: Callable[[tuple, tuple[int, ...]], np.ndarray],
+    read: TensorReader,
     *,
     mesh: Mesh | None = None,
     rules: sharding.Rules = sharding.DEFAULT_RULES,

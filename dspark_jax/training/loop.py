@@ -171,7 +171,8 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     )
     latest = checkpointer.latest_step()  # 0: a checkpoint written by `import_draft`
     start = latest or 0
-    graphdef, params, rest = draft_state.init_draft(config, side.config, mesh)
+    read_target = target_side.target_reader(config, lambda: target_side.load_run_target(config, mesh))
+    graphdef, params, rest = draft_state.init_draft(config, side.config, mesh, read_target)
     if pretrained and not start:
         params = draft_state.warm_start(config, side.config, mesh, params, pretrained)
     schedule, optimizer = optimizer_lib.make_training_optimizer(config, params)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import baseline
+from configs import base, baseline
 from dspark_jax import sharding
 from dspark_jax.draft.model import DraftConfig, DSparkDraft
-from dspark_jax.run import draft_state
+from dspark_jax.errors import UsageError
+from dspark_jax.run import draft_state, target_side
 from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.target import TargetConfig
 
@@ -96,3 +97,56 @@ def test_train_seed_changes_the_initialisation_and_defaults_to_the_global_seed(m
     np.testing.assert_array_equal(leaves(config), plain)
     config.train.seed = config.seed + 1
     assert not np.array_equal(leaves(config), plain)
+
+
+def test_layers_from_the_target_restore_exactly_its_tensors_and_keep_the_rest(mesh1):
+    """`init.from_target_layers`: draft layer k holds target layer ids[k]'s norms, attention and MLP
+    tensors bit for bit; the q/k norms a Llama target lacks and every other draft tensor keep the random
+    init."""
+    config, _ = _smoke()
+    target = target_side.load_run_target(config, mesh1)
+    read = target_side.target_reader(config, lambda: target)
+    _, fresh, _ = draft_state.init_draft(config, target.config, mesh1)
+    with config.unlocked():
+        config.init.from_target_layers = (0, 2, -1)
+    _, params, _ = draft_state.init_draft(config, target.config, mesh1, read)
+    own = dict(nnx.to_flat_state(nnx.state(target.model)))
+    copied = 0
+    for path, var in nnx.to_flat_state(params):
+        value, before = (
+            np.asarray(var.get_value()),
+            np.asarray(dict(nnx.to_flat_state(fresh))[path].get_value()),
+        )
+        source = ("layers", (0, 2, 3)[path[1]], *path[2:]) if path[0] == "layers" else None
+        if source in own:
+            np.testing.assert_array_equal(value, np.asarray(own[source].get_value()), err_msg=str(path))
+            copied += 1
+        else:
+            np.testing.assert_array_equal(value, before, err_msg=str(path))
+    assert copied == 3 * 9  # 2 norms + q, k, v, o + gate, up, down per layer
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(layers=(0, 1)), r"names 2 target layers; the draft has draft.num_layers=3"),
+        (dict(layers=(0, 1, 4)), r"layer 4 is not among the target's 4"),
+        (dict(layers=(0, 1, 2), num_heads=2), r"set draft.num_heads=4, num_kv_heads=2, head_dim=16"),
+    ],
+)
+def test_layers_from_the_target_refuse_a_wrong_count_layer_or_shape(mesh1, change, message):
+    config, target = _smoke()
+    with config.unlocked():
+        config.init.from_target_layers = change["layers"]
+        config.draft.num_heads = change.get("num_heads", config.draft.num_heads)
+    with pytest.raises(UsageError, match=message):
+        draft_state.init_draft(config, target, mesh1, lambda path, shape: np.zeros(shape))
+
+
+def test_layers_from_a_hybrid_target_refuse_a_linear_attention_layer():
+    config, _ = _smoke()
+    target = TargetConfig.from_json(base.SMOKE_HYBRID_TARGET)
+    with config.unlocked():
+        config.init.from_target_layers = (0, 1, 3)
+    with pytest.raises(UsageError, match=r"target layer 0 is a experts layer"):
+        draft_state.target_layer_ids(config, target)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from dspark_jax import groups, sharding
@@ -53,6 +54,17 @@ def sample_keys(batch: Mapping[str, np.ndarray], index: int) -> np.ndarray:
     return np.stack([np.full_like(anchors_BxN, index), rows_BxN, starts_BxN], axis=-1)
 
 
+def _host_records(
+    records: Mapping[str, jax.Array], batch: Mapping[str, jax.Array], index: int
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A micro-batch's block records on the host, every process's rows (`process_allgather`: a record of
+    another process's rows cannot be fetched), and their `sample_keys` from the global batch's anchors and
+    positions, so that keys and records name the same global rows."""
+    fields = {"anchors": batch["anchors"], "positions": batch["positions"]}
+    host = multihost_utils.process_allgather({**records, **fields}, tiled=True)
+    return {k: np.asarray(host[k]) for k in records}, sample_keys(host, index)
+
+
 def _finish(experiment: Experiment, total, records: list, keys: list) -> tuple[dict[str, float], SampleSums]:
     """Metrics of the summed sums and the per-sample sums of the collected block records."""
     if total is None:
@@ -79,10 +91,12 @@ def evaluate(
     for index, batch in enumerate(batches):
         if max_batches and index >= max_batches:
             break
-        sums, batch_records = eval_sums(params, rest, frozen, to_global(device_fields(batch), mesh, rules))
+        global_batch = to_global(device_fields(batch), mesh, rules)
+        sums, batch_records = eval_sums(params, rest, frozen, global_batch)
         total = sums if total is None else step_lib.accumulate(total, sums)
-        records.append({k: np.asarray(x) for k, x in jax.device_get(batch_records).items()})
-        keys.append(sample_keys(batch, index))
+        batch_records, batch_keys = _host_records(batch_records, global_batch, index)
+        records.append(batch_records)
+        keys.append(batch_keys)
     metrics, samples = _finish(experiment, total, records, keys)
     if len(samples.tau_K) > 1:  # a single validation sample has no interval
         tau = intervals.ratio(samples.tau_K, samples.blocks_K)
@@ -242,10 +256,9 @@ def _measured_batches(v: Validation, prefixes: Prefixes | None) -> Iterator[tupl
     prefix_state = (None, None) if prefixes is None else (prefixes.params, prefixes.rest)
     with sharding.activation_sharding(v.mesh, v.rules):
         for index, batch in enumerate(v.epoch()):
-            fields = device_fields(batch)
-            sums, records = fn(v.params, v.rest, *prefix_state, v.frozen, to_global(fields, v.mesh, v.rules))
-            sums, records = jax.device_get((sums, records))
-            yield sums, {k: np.asarray(x) for k, x in records.items()}, sample_keys(batch, index)
+            global_batch = to_global(device_fields(batch), v.mesh, v.rules)
+            sums, records = fn(v.params, v.rest, *prefix_state, v.frozen, global_batch)
+            yield jax.device_get(sums), *_host_records(records, global_batch, index)
 
 
 def block_records(v: Validation, prefixes: Prefixes | None = None) -> list[dict[str, np.ndarray]]:

@@ -1,5 +1,6 @@
 """Does a trained prefix reranker change choices? |W_o|, max |delta| against the candidates' top-1/top-2 logit
-gap, and the share of predictions and blocks whose greedy choice the reranker changes.
+gap, the share of predictions and blocks whose greedy choice the reranker changes, and the share of the
+query's SiLU units that are live (input above 0).
 
   DSPARK_JAX_CACHE=DIR python benchmarks/reranker_diagnosis.py --checkpoint=WORKDIR [--checkpoint=...] \
       [--batches=0] [--json=OUT.json]
@@ -73,7 +74,8 @@ def main():
             f"{r['experiment']} step {r['step']} ({r['workdir']}): |W_o| Frobenius {r['w_o_frobenius']:.4g}, "
             f"max {r['w_o_max_abs']:.4g}; {r['predictions']} predictions in {r['blocks']} blocks; choice "
             f"changed in {r['changed_predictions']:.2%} of predictions, {r['changed_blocks']:.2%} of blocks; "
-            f"max|delta| < gap/2 in {r['delta_below_half_gap']:.2%}"
+            f"max|delta| < gap/2 in {r['delta_below_half_gap']:.2%}; query units live (SiLU input > 0) "
+            f"{r['live_units']:.2%} on average, none in {r['no_live_unit']:.2%} of predictions"
         )
         print(
             f"  {'gap bin':>20s} {'predictions':>11s} {'max|delta| median':>18s} {'p90':>9s} {'max':>9s} "

@@ -62,14 +62,13 @@ def _numpy_rerank(p, h_SxH, logits_SxV, predecessors_S, k):
     f = _layer_norm(x, g("ffn_norm/scale"), g("ffn_norm/bias"))
     x = x + _silu(f @ g("ffn_in/kernel")) @ g("ffn_out/kernel")
     r = _layer_norm(x, g("out_norm/scale"), g("out_norm/bias"))
-    u = _silu(np.concatenate([h_SxH @ g("w_h/kernel"), r], -1) @ g("w_q/kernel") + g("w_q/bias")) @ g(
-        "w_o/kernel"
-    )
+    query_inputs = np.concatenate([h_SxH @ g("w_h/kernel"), r], -1) @ g("w_q/kernel") + g("w_q/bias")
+    u = _silu(query_inputs) @ g("w_o/kernel")
     keys = np.einsum("skr,rw->skw", p["markov/w2"].T[cand], g("w_c/kernel"))
     scores = np.take_along_axis(logits_SxV, cand, -1) + np.einsum("sw,skw->sk", u, keys) / np.sqrt(
         u.shape[-1]
     )
-    return cand, scores
+    return cand, scores, query_inputs
 
 
 def _setup(seed, k, randomize=True):
@@ -147,7 +146,7 @@ def test_rerank_metrics_and_rank_loss_match_numpy():
     blocks_valid = blocks_no_hit = 0
     for b in range(lg.shape[0]):
         for n in range(lg.shape[1]):
-            cand, scores = _numpy_rerank(params, hh[b, n], lg[b, n], preds[b, n], k)
+            cand, scores, _ = _numpy_rerank(params, hh[b, n], lg[b, n], preds[b, n], k)
             np.testing.assert_allclose(
                 np.asarray(model.rerank(h[b, n], logits[b, n], targets.predecessors[b, n]).scores_xSxK),
                 scores,
@@ -239,8 +238,11 @@ def test_choice_margins_match_numpy_and_a_zero_output_projection_changes_nothing
         np.asarray(targets.predecessors),
     )
     for b, n in np.ndindex(lg.shape[:2]):
-        cand, scores = _numpy_rerank(params, hh[b, n], lg[b, n], preds[b, n], k)
+        cand, scores, query_inputs = _numpy_rerank(params, hh[b, n], lg[b, n], preds[b, n], k)
         top = np.take_along_axis(lg[b, n], cand, -1)
+        np.testing.assert_allclose(
+            got["live_units"][b, n], (query_inputs > 0).mean(-1), atol=1.5 / model.cfg.rerank_width
+        )  # one unit near 0 may flip
         np.testing.assert_allclose(
             got["max_abs_delta"][b, n], np.abs(scores - top).max(-1), rtol=1e-3, atol=1e-4
         )
@@ -248,6 +250,7 @@ def test_choice_margins_match_numpy_and_a_zero_output_projection_changes_nothing
         np.testing.assert_array_equal(got["changed"][b, n], scores.argmax(-1) != 0)
     summary = diagnosis.summarise(got)
     assert 0 < summary["changed_predictions"] < 1 and summary["predictions"] == int(got["eval_mask"].sum())
+    assert 0 < summary["live_units"] < 1
     assert sum(b["predictions"] for b in summary["by_gap"]) == summary["predictions"]
 
     state = nnx.state(model, nnx.Param)
@@ -267,9 +270,11 @@ def test_summarise_counts_changes_per_gap_bin():
         "gap": np.array([[[0.1, 0.2], [0.3, 0.4]]]),
         "max_abs_delta": np.array([[[0.3, 0.01], [0.02, 0.03]]]),
         "changed": np.array([[[1.0, 0.0], [0.0, 0.0]]]),
+        "live_units": np.array([[[0.5, 0.0], [0.25, 0.0]]]),
     }
     summary = diagnosis.summarise(margins, quantiles=2)
     assert summary["changed_predictions"] == 0.25 and summary["changed_blocks"] == 0.5
     assert summary["delta_below_half_gap"] == 0.75
+    assert summary["live_units"] == 0.1875 and summary["no_live_unit"] == 0.5
     assert [b["predictions"] for b in summary["by_gap"]] == [2, 2]
     assert [b["changed"] for b in summary["by_gap"]] == [0.5, 0.0]

@@ -114,9 +114,13 @@ class PrefixReranker(nnx.Module):
         x_BxW = x_BxW + self.ffn_out(jax.nn.silu(self.ffn_in(self.ffn_norm(x_BxW))))
         return self.out_norm(x_BxW), (k_cache, v_cache)
 
+    def query_inputs(self, h_xH: jax.Array, r_xW: jax.Array) -> jax.Array:
+        """The SiLU input `W_q [W_h h; r] + b_q` `[..., W]` (a unit whose input stays far below 0 is off)."""
+        return self.w_q(jnp.concatenate([self.w_h(h_xH), r_xW], axis=-1))
+
     def queries(self, h_xH: jax.Array, r_xW: jax.Array) -> jax.Array:
         """`u = W_o SiLU(W_q [W_h h; r] + b_q)`."""
-        return self.w_o(jax.nn.silu(self.w_q(jnp.concatenate([self.w_h(h_xH), r_xW], axis=-1))))
+        return self.w_o(jax.nn.silu(self.query_inputs(h_xH, r_xW)))
 
     def deltas(self, u_xW: jax.Array, e_out_xKxR: jax.Array) -> jax.Array:
         """Float32 residual scores `u . W_c E_out(v) / sqrt(W)` of `K` candidates, `[..., K]`."""

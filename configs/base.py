@@ -39,9 +39,12 @@ Keys:
   data.train_cache          an existing cache to train on (dspark_jax or DeepSpec v2 format, local or
                             gs://); '' = the cache built from `data.train_source` under `data.cache_dir`.
   data.val_cache            the same for validation.
-  data.train_source         'sharegpt' (the PyPI package) or a conversation file (JSON/JSONL).
+  data.train_source         'sharegpt' (the PyPI package), a packaged prompt file by name ('gsm8k_rest',
+                            'mt_bench': dspark_jax/data/README.md), a conversation file (JSON/JSONL),
+                            or a blend 'SOURCE=WEIGHT,...' (e.g. 'sharegpt=3,gsm8k_rest=1': each
+                            source's share of `data.train_limit`, interleaved).
   data.train_limit          first N usable training conversations (0 = all).
-  data.val_source           validation prompts; '' = the packaged GSM8K-256.
+  data.val_source           validation prompts; '' = the packaged GSM8K-256 ('mt_bench' = MT-Bench).
   data.val_limit            first N validation prompts (0 = all).
   data.aux_layer_ids        target layers cached as draft context (-1 = embedding output).
   data.max_length           tokens per row (prompt + response); longer samples are truncated.

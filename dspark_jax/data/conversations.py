@@ -1,4 +1,5 @@
-"""Conversation sources: ShareGPT, OpenAI `messages` and `{"turns": [...]}` files, and GSM8K prompts.
+"""Conversation sources: ShareGPT, OpenAI `messages` and `{"turns": [...]}` files, the packaged prompts,
+and weighted blends of them.
 
 A conversation is a list of messages `{"role": "system" | "user" | "assistant", "content": str}`.
 Records of bulk sources (ShareGPT, OpenAI JSONL) are normalised by these rules:
@@ -32,9 +33,16 @@ logger = logging.getLogger(__name__)
 Message = dict[str, str]
 Conversation = list[Message]
 
-GSM8K_VAL256 = Path(__file__).resolve().parent / "gsm8k_val256.jsonl"
+PACKAGED = Path(__file__).resolve().parent
+GSM8K_VAL256 = PACKAGED / "gsm8k_val256.jsonl"
 SHAREGPT = "sharegpt"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+# Named sources besides `sharegpt`: the packaged prompt files (README.md beside them gives the split).
+PACKAGED_SOURCES = {
+    "gsm8k_val256": GSM8K_VAL256,
+    "gsm8k_rest": PACKAGED / "gsm8k_rest1063.jsonl",
+    "mt_bench": PACKAGED / "mt_bench80.jsonl",
+}
 
 ROLES = {
     "system": "system",
@@ -294,8 +302,70 @@ def _first_json_line(path: Path) -> object:
     return None
 
 
+def blend_parts(spec: str | Path) -> list[tuple[str, float]] | None:
+    """`SOURCE=WEIGHT,SOURCE=WEIGHT,...` as `(source, weight)` pairs; None for a single source."""
+    if "=" not in str(spec):
+        return None
+    parts = []
+    for item in str(spec).split(","):
+        source, _, weight = item.partition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = -1.0
+        if not source or not value > 0:
+            raise ValueError(
+                f"blend item {item!r} of {str(spec)!r}: write SOURCE=WEIGHT with a positive weight, "
+                "e.g. sharegpt=3,gsm8k_rest=1"
+            )
+        parts.append((source, value))
+    return parts
+
+
+def blend_counts(parts: list[tuple[str, float]], limit: int) -> list[int]:
+    """Each part's share of `limit` conversations, proportional to its weight (largest remainders)."""
+    total = sum(w for _, w in parts)
+    exact = [limit * w / total for _, w in parts]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(parts)), key=lambda i: counts[i] - exact[i])
+    for i in by_remainder[: limit - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def load_blend(spec: str | Path, limit: int | None) -> LoadedConversations:
+    """A weighted blend (`blend_parts`): each source's first conversations, as many as its share of
+    `limit`, interleaved evenly (the k-th of a part's n sits at (k + 1/2) / n of the blend), so that any
+    prefix of the blend holds the sources in about their proportions."""
+    parts = blend_parts(spec)
+    if not limit:
+        raise ValueError(f"the blend {str(spec)!r} needs a number of conversations: set data.train_limit > 0")
+    placed, blend = [], LoadedConversations([])
+    for index, ((source, _), count) in enumerate(zip(parts, blend_counts(parts, limit))):
+        if count == 0:
+            continue
+        loaded = load_conversations(source, limit=count)
+        if len(loaded.conversations) < count:
+            raise ValueError(
+                f"blend part {source!r} holds {len(loaded.conversations)} usable conversations, the blend "
+                f"{str(spec)!r} asks {count} of its {limit}: lower data.train_limit or that part's weight"
+            )
+        blend.skipped.update(loaded.skipped)
+        placed += [((k + 0.5) / count, index, c) for k, c in enumerate(loaded.conversations)]
+    blend.conversations = [c for _, _, c in sorted(placed, key=lambda p: p[:2])]
+    return blend
+
+
+def source_path(spec: str | Path) -> Path:
+    """The file a single source names: `sharegpt`, a packaged name (`PACKAGED_SOURCES`) or a path."""
+    if str(spec) == SHAREGPT:
+        return sharegpt_path()
+    return PACKAGED_SOURCES.get(str(spec), Path(spec))
+
+
 def load_conversations(spec: str | Path, limit: int | None = None) -> LoadedConversations:
-    """Conversations from `sharegpt` (the packaged dataset) or a file, its format told by its content.
+    """Conversations from `sharegpt` (the packaged dataset), a packaged prompt file by name
+    (`PACKAGED_SOURCES`), a file, or a blend of these (`SOURCE=WEIGHT,...`, `load_blend`).
 
     A file whose first non-blank character is `[` is a JSON array of ShareGPT/OpenAI records;
     otherwise it is JSONL, of `{"turns": [...]}` prompts (strict, see `read_turns_jsonl`) when
@@ -304,7 +374,9 @@ def load_conversations(spec: str | Path, limit: int | None = None) -> LoadedConv
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    path = sharegpt_path() if str(spec) == SHAREGPT else Path(spec)
+    if blend_parts(spec) is not None:
+        return load_blend(spec, limit)
+    path = source_path(spec)
     if not path.is_file():
         raise FileNotFoundError(f"conversation file not found: {path}")
     with path.open(encoding="utf-8") as f:

@@ -212,3 +212,56 @@ def test_sharegpt_package():
         roles = [m["role"] for m in conversation if m["role"] != "system"]
         assert roles[0] == "user"
         assert all(a != b for a, b in itertools.pairwise(roles))
+
+
+def test_packaged_prompt_files_are_disjoint_and_load_by_name():
+    """The split the README states: GSM8K test questions 1-256 validate, 257-1,319 may train; MT-Bench is
+    in neither."""
+    files = {name: read_turns_jsonl(path) for name, path in conv.PACKAGED_SOURCES.items()}
+    assert {name: len(turns) for name, turns in files.items()} == {
+        "gsm8k_val256": 256,
+        "gsm8k_rest": 1063,
+        "mt_bench": 80,
+    }
+    prompts = {name: {t[0] for t in turns} for name, turns in files.items()}
+    assert len(prompts["gsm8k_rest"]) == 1063
+    assert not prompts["gsm8k_val256"] & prompts["gsm8k_rest"]
+    assert not prompts["mt_bench"] & (prompts["gsm8k_val256"] | prompts["gsm8k_rest"])
+    assert all(len(t) == 2 for t in files["mt_bench"])
+    loaded = load_conversations("gsm8k_rest", limit=3).conversations
+    assert [c[0]["content"] for c in loaded] == [t[0] for t in files["gsm8k_rest"][:3]]
+
+
+def test_a_blend_takes_each_sources_share_interleaved_evenly(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"turns": [f"a{i}"]} for i in range(20)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"turns": [f"b{i}"]} for i in range(20)])
+    assert conv.blend_counts([("a", 3.0), ("b", 1.0)], 10) == [8, 2]  # 7.5 / 2.5: ties to the first
+    assert conv.blend_counts([("a", 1.0), ("b", 1.0), ("c", 1.0)], 10) == [4, 3, 3]
+    blend = load_conversations(f"{a}=3,{b}=1", limit=8).conversations
+    assert [c[0]["content"] for c in blend] == ["a0", "a1", "b0", "a2", "a3", "a4", "b1", "a5"]
+    assert [c[0]["content"] for c in load_conversations(f"{a}=1,{b}=1", limit=4).conversations] == [
+        "a0",
+        "b0",
+        "a1",
+        "b1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "spec, limit, message",
+    [
+        ("{a}=3,{b}=x", 4, r"blend item '.*b.jsonl=x' .* positive weight"),
+        ("{a}=0,{b}=1", 4, r"blend item '.*a.jsonl=0'"),
+        ("{a}=1,{b}=1", None, r"needs a number of conversations: set data.train_limit > 0"),
+        (
+            "{a}=1,{b}=1",
+            50,
+            r"part '.*b.jsonl' holds 20 usable conversations, the blend .* asks 25 of its 50",
+        ),
+    ],
+)
+def test_blend_errors_name_the_part_and_the_fix(tmp_path, spec, limit, message):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"turns": [f"a{i}"]} for i in range(30)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"turns": [f"b{i}"]} for i in range(20)])
+    with pytest.raises(ValueError, match=message):
+        load_conversations(spec.format(a=a, b=b), limit=limit)

@@ -25,29 +25,8 @@
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #       -d .whl "$p"; done
-set -u
-OUT=${OUT:-/tmp/gpu_check_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-exec > >(tee "$OUT/gpu_check.log") 2>&1
-summary="$OUT/summary.txt"
-: >"$summary"
-check() { # check NAME STATUS DETAIL
-  local verdict=FAIL
-  [ "$2" = 0 ] && verdict=PASS
-  echo "$verdict $1${3:+: $3}" | tee -a "$summary"
-}
-
-echo "== environment"
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  check "carried wheels installed" $? "$(ls .whl | wc -l) wheels"
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
-python3 -c "import jax, flax, optax; d = jax.devices()[0]; print('jax', jax.__version__, 'flax', flax.__version__, \
-'optax', optax.__version__, '|', jax.device_count(), 'x', d.device_kind, d.platform); assert d.platform == 'gpu'"
-check "JAX sees the GPU" $?
+LOG_NAME=gpu_check.log
+. "$(dirname "$0")/gpu_common.sh"
 
 echo "== 1. tests/kernels on the GPU"
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels \

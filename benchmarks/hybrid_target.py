@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.model import DecodeCache, Transformer, keep_prefix

@@ -9,8 +9,9 @@ the sparse pass is faster. Memory is the compiled program's temporary bytes (XLA
 The sparse pass does `K` rows of expert work per token, the dense one `X`; but on CPU, JAX lowers
 `ragged_dot` to a masked dense dot over all `X` groups for each of the `tokens * K` rows, so there the
 sparse pass does `K` times the dense work and holds a `[X, tokens*K, H]` mask: expect it to lose on CPU
-and to win where `ragged_dot` is a grouped matmul (TPU, GPU). `--quick` (8 and 64 tokens, 3 repeats)
-runs in a few seconds on CPU.
+and to win where `ragged_dot` is a grouped matmul (TPU). On an H200 with JAX 0.11.2 it is the masked
+dense rewrite too (`results/gpu-targets-2026-12-04`: the sparse temporaries are `X * tokens*K * H` x 2
+bytes). `--quick` (8 and 64 tokens, 3 repeats) runs in a few seconds on CPU.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def step_seconds(presets: list[str], steps: int) -> None:
     for preset in presets:
         offline = None
         for mode in MODES:
-            r = time_step(config_module, preset, steps, features=mode)
+            r = time_step(config_module, preset, steps, shape_only=True, features=mode)
             offline = offline or r["step_seconds"]
             print(
                 f"{preset:8s} {mode:8s} {r['step_seconds']:10.3f} {r['tokens_per_second']:10.0f} "

@@ -71,6 +71,9 @@ def _ours(q, k, v, g, beta, state=None):
 
 
 def _torch(fn, q, k, v, g, beta, state, **kw):
+    """transformers' rule on q and k expanded to the value heads as its layer expands them
+    (`repeat_interleave`: older 5.x rules take no grouped heads; the head mapping is the layer test's)."""
+    q, k = (np.repeat(x, J // G, 2) for x in (q, k))
     out, final = fn(
         *(torch.tensor(x) for x in (q, k, v)),
         g=torch.tensor(g),

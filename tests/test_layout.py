@@ -180,7 +180,7 @@ def group_words() -> set[str]:
     words = set()
     for e in groups.registered():
         keys = [*e.shape_keys, *e.resumable_keys, *(option.key for option in e.decode_options)]
-        sections = {k.split(".")[0] for k in keys} | {section for section, _ in e.path_keys}
+        sections = {k.split(".")[0] for k in keys} | {s for s, _ in (*e.path_keys, *e.source_keys)}
         words |= {e.name, *(k.rsplit(".", 1)[-1] for k in keys), *(sections - shared)}
         words |= {f.name for f in dataclasses.fields(e.config_class)} - base_settings
     words |= {w.split("_")[0] for w in words}  # 'rerank_width' -> 'rerank', 'engram_markov' -> 'engram'

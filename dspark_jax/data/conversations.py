@@ -25,7 +25,7 @@ import itertools
 import json
 import logging
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -354,6 +354,15 @@ def load_blend(spec: str | Path, limit: int | None) -> LoadedConversations:
         placed += [((k + 0.5) / count, index, c) for k, c in enumerate(loaded.conversations)]
     blend.conversations = [c for _, _, c in sorted(placed, key=lambda p: p[:2])]
     return blend
+
+
+def absolute_source(spec: str, resolve: Callable[[str], str]) -> str:
+    """`spec` with every file it names passed through `resolve` (a command line's relative paths made
+    absolute); `sharegpt`, packaged names, blend weights and an empty spec are kept."""
+    parts = blend_parts(spec)
+    if parts is not None:
+        return ",".join(f"{absolute_source(source, resolve)}={weight:g}" for source, weight in parts)
+    return spec if not spec or spec == SHAREGPT or spec in PACKAGED_SOURCES else resolve(spec)
 
 
 def source_path(spec: str | Path) -> Path:

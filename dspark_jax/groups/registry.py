@@ -85,6 +85,8 @@ class Experiment:
       resumable_keys: config keys of the group that a resumed run may change.
       path_keys: `(section, key)` config entries of the group that hold paths (made absolute at the
         command line).
+      source_keys: `(section, key)` entries that hold conversation sources (names, files or blends: the
+        files they name made absolute at the command line).
       sharding_rules: `(logical axis, mesh axes)` rules for the logical axes of the group's parameters,
         added to the run's table where it has no entry for them.
       check_config: `config -> None`, raising `errors.UsageError` naming the key on settings of the group
@@ -123,6 +125,7 @@ class Experiment:
     shape_keys: tuple[str, ...] = ()
     resumable_keys: tuple[str, ...] = ()
     path_keys: tuple[tuple[str, str], ...] = ()
+    source_keys: tuple[tuple[str, str], ...] = ()
     sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
     check_config: Callable[[Any], None] | None = None
     side_inputs: Callable[..., Mapping[str, Any]] | None = None

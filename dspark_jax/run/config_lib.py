@@ -17,6 +17,7 @@ from typing import Any
 from ml_collections import config_dict
 
 from dspark_jax import groups, sharding
+from dspark_jax.data import conversations
 from dspark_jax.data.batch import FEATURES
 from dspark_jax.errors import UsageError
 from dspark_jax.kernels.block_attention import DEFAULT_BLOCK_SIZES, IMPLEMENTATIONS
@@ -34,21 +35,27 @@ PATH_KEYS = (
     ("data", "cache_dir"),
     ("data", "train_cache"),
     ("data", "val_cache"),
-    ("data", "train_source"),
-    ("data", "val_source"),
     ("target", "path"),
     ("init", "checkpoint"),
 )
-NAMED_SOURCES = ("sharegpt",)  # conversation sources that are names, not paths
+# Conversation sources: names, files or blends of them (`data.conversations.load_conversations`); the
+# files they name are made absolute, names and weights kept.
+SOURCE_KEYS = (("data", "train_source"), ("data", "val_source"))
 
 
 def with_absolute_paths(config):
-    """`config` with its path keys resolved against the working directory (URLs unchanged)."""
+    """`config` with its path keys and the files its sources name resolved against the working directory
+    (URLs unchanged)."""
     if config is None:
         return None
-    for section, key in (*PATH_KEYS, *_group_keys(config, "path_keys")):
-        if section in config and key in config[section] and config[section][key] not in NAMED_SOURCES:
-            config[section][key] = resolve_path(config[section][key])
+    sources = (*SOURCE_KEYS, *_group_keys(config, "source_keys"))
+    for section, key in (*PATH_KEYS, *_group_keys(config, "path_keys"), *sources):
+        if section in config and key in config[section]:
+            value = config[section][key]
+            if (section, key) in sources:
+                config[section][key] = conversations.absolute_source(value, resolve_path)
+            else:
+                config[section][key] = resolve_path(value)
     return config
 
 
@@ -58,8 +65,8 @@ def resolve_path(path: str) -> str:
 
 
 def _group_keys(config, field: str) -> tuple:
-    """The `field` keys (`shape_keys`, `resumable_keys`, `path_keys`) that the config's group adds; none
-    for a group that is not registered (`validate` names it)."""
+    """The `field` keys (`shape_keys`, `resumable_keys`, `path_keys`, `source_keys`) that the config's group
+    adds; none for a group that is not registered (`validate` names it)."""
     experiment = groups.find(_as_dict(config).get("experiment", ""))
     return getattr(experiment, field) if experiment else ()
 

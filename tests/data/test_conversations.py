@@ -265,3 +265,12 @@ def test_blend_errors_name_the_part_and_the_fix(tmp_path, spec, limit, message):
     b = write_jsonl(tmp_path / "b.jsonl", [{"turns": [f"b{i}"]} for i in range(20)])
     with pytest.raises(ValueError, match=message):
         load_conversations(spec.format(a=a, b=b), limit=limit)
+
+
+def test_absolute_source_resolves_the_files_a_source_names_and_keeps_names_and_weights():
+    resolve = lambda path: f"/abs/{path}"  # noqa: E731
+    assert conv.absolute_source("sharegpt", resolve) == "sharegpt"
+    assert conv.absolute_source("mt_bench", resolve) == "mt_bench"
+    assert conv.absolute_source("", resolve) == ""
+    assert conv.absolute_source("mine.jsonl", resolve) == "/abs/mine.jsonl"
+    assert conv.absolute_source("sharegpt=3,mine.jsonl=0.5", resolve) == "sharegpt=3,/abs/mine.jsonl=0.5"

@@ -268,7 +268,13 @@ def test_greedy_speculation_with_accepted_drafts_equals_target_greedy(
 @pytest.mark.parametrize(
     "group, batch_size",
     _slow_except(
-        [("baseline", 1), ("baseline", 4), ("memory_with_memory", 4)],
+        [
+            ("baseline", 1),
+            ("baseline", 4),
+            ("memory_with_memory", 4),
+            ("engram_markov", 4),
+            ("reranker_joint", 4),
+        ],
         [("baseline", 4), ("memory_with_memory", 4)],
     ),
     ids=lambda x: str(x),
@@ -277,8 +283,9 @@ def test_greedy_speculation_on_a_hybrid_moe_target_equals_its_greedy(
     hybrid_parts, mesh1, group, batch_size, schedule
 ):
     """Gated DeltaNet layers have no KV pointer to lower: the verifier keeps each row's states after
-    exactly its accepted prefix (rows of one batch accept different lengths in the same cycle; the
-    rollback test's hybrid case forces a rejection at every position of the block)."""
+    exactly its accepted prefix, whichever proposer drafted the block (baseline, memory, Engram, reranker;
+    rows of one batch accept different lengths in the same cycle; the rollback test's hybrid case forces a
+    rejection at every position of the block)."""
     _assert_greedy_lossless(hybrid_parts, mesh1, group, batch_size, schedule, check_widths=False)
 
 

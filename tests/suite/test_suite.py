@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dspark_jax.run import checkpoints
 from dspark_jax.suite import plan, report
 from dspark_jax.suite.runner import setting_name
 
@@ -78,6 +79,24 @@ def test_seed_suite_on_smoke_writes_the_table_and_plots_and_skips_finished_group
     assert again.returncode == 0, again.stderr[-4000:]
     assert "suite: training" not in again.stderr and again.stderr.count("trained (step") == len(groups)
     assert json.loads((tmp_path / "work" / "suite.json").read_text())["stages"] == stages
+
+
+@pytest.mark.slow
+def test_the_suite_runs_online_from_token_rows_alone(tmp_path):
+    """`--override=data.features=online`: every stage of two groups (Draft Memory's two stages and the frozen
+    reranker on the baseline's checkpoint) trains, evaluates, calibrates and decodes with the target in the
+    step; the caches hold token rows only (no states anywhere under the cache directory)."""
+    proc = _suite(tmp_path, "--groups=memory,reranker_frozen", "--override=data.features=online")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    manifests = [json.loads(p.read_text()) for p in (tmp_path / "caches").rglob("manifest.json")]
+    assert manifests and all(m["spec"]["states"] is False for m in manifests)
+    data = tmp_path / "report" / report.DATA_DIR
+    for name in ("baseline", "memory", "reranker_frozen"):
+        evaluation = json.loads((data / name / "evaluation.json").read_text())
+        assert evaluation["own"]["tau_prob"] >= 1.0
+        spec = json.loads((data / name / "speculate" / f"{setting_name(0.0, 'fixed')}.json").read_text())
+        assert spec["identical_to_target_greedy"] == "2/2"
+        assert checkpoints.run_config(tmp_path / "work" / name).data.features == "online"
 
 
 def _section(text, title):

@@ -268,7 +268,7 @@ def test_blend_errors_name_the_part_and_the_fix(tmp_path, spec, limit, message):
 
 
 def test_absolute_source_resolves_the_files_a_source_names_and_keeps_names_and_weights():
-    resolve = lambda path: f"/abs/{path}"  # noqa: E731
+    resolve = lambda path: f"/abs/{path}"
     assert conv.absolute_source("sharegpt", resolve) == "sharegpt"
     assert conv.absolute_source("mt_bench", resolve) == "mt_bench"
     assert conv.absolute_source("", resolve) == ""

@@ -48,15 +48,19 @@ def with_absolute_paths(config):
     (URLs unchanged)."""
     if config is None:
         return None
-    sources = (*SOURCE_KEYS, *_group_keys(config, "source_keys"))
-    for section, key in (*PATH_KEYS, *_group_keys(config, "path_keys"), *sources):
-        if section in config and key in config[section]:
-            value = config[section][key]
-            if (section, key) in sources:
-                config[section][key] = conversations.absolute_source(value, resolve_path)
-            else:
-                config[section][key] = resolve_path(value)
+    for keys, resolve in (
+        ((*PATH_KEYS, *_group_keys(config, "path_keys")), resolve_path),
+        ((*SOURCE_KEYS, *_group_keys(config, "source_keys")), resolve_source),
+    ):
+        for section, key in keys:
+            if section in config and key in config[section]:
+                config[section][key] = resolve(config[section][key])
     return config
+
+
+def resolve_source(spec: str) -> str:
+    """A command-line conversation source with the files it names made absolute (`resolve_path`)."""
+    return conversations.absolute_source(spec, resolve_path)
 
 
 def resolve_path(path: str) -> str:

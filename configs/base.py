@@ -230,7 +230,8 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.data.cache_dir = ""
     c.data.train_cache = ""
     c.data.val_cache = ""
-    c.data.train_source = "sharegpt"
+    # The demo trains on chat and GSM8K-style math, half each (results/demo-recipe-2026-12-04).
+    c.data.train_source = "sharegpt=1,gsm8k_rest=1" if preset == "demo" else "sharegpt"
     c.data.train_limit = {"paper": 0, "demo": 800, "accel": 4000, "smoke": 6}[preset]
     c.data.val_source = ""
     c.data.val_limit = {"paper": 256, "demo": 256, "accel": 256, "smoke": 4}[preset]

@@ -51,6 +51,10 @@ Keys:
   data.pack                 pack several whole samples per row (each block sees only its own sample's
                             context; `train.global_batch` and `train.num_anchors` then count rows).
   data.num_shards           cache shards (parallel build units; fixed per cache).
+  data.regenerate           True: the target regenerates every assistant reply (on-policy text, the
+                            default); False: the source's own replies are the text (no generation: the
+                            cache costs one target forward a sample), the target's distribution over it
+                            still the teacher. Prompt-only sources (GSM8K) have no reply to keep.
   data.regen_max_new_tokens reply length cap when the target regenerates replies.
   data.regen_max_prompt_tokens  prompt length cap per regenerated turn.
   data.regen_batch_size     rows per regeneration program.
@@ -244,6 +248,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.data.max_length = {"paper": 4096, "demo": 1024, "accel": 2048, "smoke": 256}[preset]
     c.data.pack = preset in ("demo", "accel")
     c.data.num_shards = {"paper": 256, "demo": 4, "accel": 16, "smoke": 2}[preset]
+    c.data.regenerate = True
     c.data.regen_max_new_tokens = {"paper": 2048, "demo": 128, "accel": 256, "smoke": 8}[preset]
     c.data.regen_max_prompt_tokens = {"paper": 2048, "demo": 256, "accel": 512, "smoke": 128}[preset]
     c.data.regen_batch_size = {"paper": 64, "demo": 32, "accel": 256, "smoke": 4}[preset]

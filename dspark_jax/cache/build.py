@@ -312,7 +312,7 @@ def regen_settings(config, split: str) -> dict[str, Any]:
         "batch_size": d.regen_batch_size,
         "seed": config.seed,
         "target_dtypes": [config.target.param_dtype, config.target.dtype],
-    }
+    } | ({} if config.data.regenerate else {"regenerate": False})
 
 
 def cache_settings(config, split: str) -> dict[str, Any]:
@@ -378,21 +378,28 @@ def prepare_split(
     loaded = load_conversations(source, limit=limit)
     conversations = cut_turns(loaded.conversations, max_turns)
     # One regenerating process per replies file, one builder per set of shards.
-    with exclusive(lock_file(replies, "replies", locks), f"{split} replies {replies}"):
-        regenerate(
-            target,
-            conversations,
-            replies,
-            max_new_tokens=data.regen_max_new_tokens,
-            seed=config.seed,
-            batch_size=data.regen_batch_size,
-            max_prompt_tokens=data.regen_max_prompt_tokens,
-            mesh=mesh,
-            staging_dir=Path(local_cache_root(config), "staging"),
-        )
+    if data.regenerate:
+        with exclusive(lock_file(replies, "replies", locks), f"{split} replies {replies}"):
+            regenerate(
+                target,
+                conversations,
+                replies,
+                max_new_tokens=data.regen_max_new_tokens,
+                seed=config.seed,
+                batch_size=data.regen_batch_size,
+                max_prompt_tokens=data.regen_max_prompt_tokens,
+                mesh=mesh,
+                staging_dir=Path(local_cache_root(config), "staging"),
+            )
     builder = f"{split}-p{process_index}of{process_count}"
     with exclusive(lock_file(path, builder, locks), f"{split} cache {path} (builder {builder})"):
-        records = read_output(replies)
+        # Without regeneration the source's own replies are the text; the teacher is still the target's
+        # distribution at every position (its states over that text).
+        records = (
+            read_output(replies)
+            if data.regenerate
+            else [{"index": i, "messages": c} for i, c in enumerate(conversations)]
+        )
         if len(records) != len(conversations):
             raise ValueError(f"{replies}: {len(records)} lines for {len(conversations)} conversations")
         kept = [r for r in records if "messages" in r]
@@ -413,7 +420,7 @@ def prepare_split(
             "split": split,
             "cache": path,
             "states": states,
-            "replies": replies,
+            "replies": replies if data.regenerate else None,
             "conversations": len(conversations),
             "source_skipped": dict(loaded.skipped),
             "cut_to_max_turns": sum(len(a) != len(b) for a, b in zip(loaded.conversations, conversations)),

@@ -100,6 +100,7 @@ class SpecReport:
             "compile_seconds": self.compile_seconds,
             "tokens_per_second": self.generated_tokens / self.seconds if self.seconds else 0.0,
             "loop_ms_per_cycle": 1e3 * self.seconds / max(self.loop_iterations, 1),
+            "loop_iterations": self.loop_iterations,
             "per_request": {"tokens": self.per_request_tokens, "cycles": self.per_request_cycles},
             "per_batch": {"tokens": self.per_batch_tokens, "seconds": self.per_batch_seconds},
         }

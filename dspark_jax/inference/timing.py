@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -75,6 +76,32 @@ def cycle_programs(decoder: SpeculativeDecoder, settings: engine.SpecSettings, m
     return CyclePrograms(*map(jax.jit, (prefill, draft_pass, select, verify)))
 
 
+class FloorPrograms(NamedTuple):
+    """The work a cycle cannot do without, as jitted programs:
+
+    verify_forward(target_state, state, proposals) -> the target's logits and aux states of `[x[p], d_1..d_S]`
+    lm_head(draft_params, draft_rest, frozen, h_BxSxH) -> the block's base logits over the vocabulary
+    """
+
+    verify_forward: Callable
+    lm_head: Callable
+
+
+def floor_programs(decoder: SpeculativeDecoder, settings: engine.SpecSettings) -> FloorPrograms:
+    tg, dg = decoder.target_graphdef, decoder.draft[0]
+
+    def verify_forward(ts, state, proposals):
+        target = nnx.merge(tg, ts)
+        tokens_BxS1 = jnp.concatenate([state.pending_B[:, None], proposals.drafts_BxS], 1)
+        out = target(tokens_BxS1, cache=state.target_cache, aux_layer_ids=settings.aux_layer_ids)
+        return target.logits(out.hidden_BxTxH), out.aux_BxTxAxH
+
+    def lm_head(dp, dr, frozen, h_BxSxH):
+        return nnx.merge(dg, dp, dr).base_logits(frozen, h_BxSxH)
+
+    return FloorPrograms(jax.jit(verify_forward), jax.jit(lm_head))
+
+
 def time_cycle_phases(
     decoder: SpeculativeDecoder,
     prompts: Sequence[Sequence[int]],
@@ -91,6 +118,12 @@ def time_cycle_phases(
     a standalone call whose branch changes from the previous call measured ~15 ms above the same branch
     inside the decode loop (demo target, concurrency 1), so there `SpecReport.loop_ms_per_cycle` is the
     figure to read.
+
+    The cycle's floor, on the same states: `verify_forward` (the target's forward of the block's `S + 1`
+    tokens on its cache, with their logits and aux states: nothing else of verification), `draft_forward`
+    (the proposer's draft pass, `draft`) and `lm_head` (one pass of the block's `S` draft states over the
+    frozen LM head); `floor_ms` is their sum, `prefill_ms` the prompt's prefill (to take out of a decode
+    loop's time per iteration).
     """
     settings = dataclasses.replace(decoder.settings(max_new_tokens + 8 * cycles, params), eos_ids=(-1,))
     batch = next(decoder.batches(prompts[: decoder.batch_size]))
@@ -99,18 +132,25 @@ def time_cycle_phases(
     run = cycle_programs(decoder, settings, max_len)
     ts, (_, dp, dr), frozen = decoder.target_state, decoder.draft, decoder.frozen
     state = run.prefill(ts, dp, dr, batch.tokens_BxP, batch.lengths_B, batch.real_B, jax.random.key(0))
-    times = {"draft": [], "select": [], "verify": []}
-    for index in range(cycles + 1):  # the first cycle compiles
-        t0 = time.perf_counter()
-        draft_out = jax.block_until_ready(run.draft_pass(dp, dr, frozen, state))
-        t1 = time.perf_counter()
-        proposals = jax.block_until_ready(run.select(dp, dr, frozen, state, draft_out))
-        t2 = time.perf_counter()
-        state, _ = jax.block_until_ready(run.verify(ts, dp, dr, state, draft_out, proposals, sps_N))
-        t3 = time.perf_counter()
-        if index:
-            for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
-                times[name].append(seconds)
-    out = {f"{name}_ms": 1e3 * float(np.mean(v)) for name, v in times.items()}
-    out["cycle_ms"] = sum(out.values())
+    floor = floor_programs(decoder, settings)
+    times = {name: [] for name in ("draft", "select", "verify", "verify_forward", "lm_head", "prefill")}
+
+    def timed(name, fn, *args):
+        begin = time.perf_counter()
+        result = jax.block_until_ready(fn(*args))
+        times[name].append(time.perf_counter() - begin)
+        return result
+
+    h_BxSxH = jnp.zeros((batch.tokens_BxP.shape[0], decoder.block_size, decoder.cfg.hidden_size))
+    for _ in range(cycles + 1):  # the first cycle compiles
+        timed("prefill", run.prefill, ts, dp, dr, batch.tokens_BxP, batch.lengths_B, batch.real_B, jax.random.key(0))
+        draft_out = timed("draft", run.draft_pass, dp, dr, frozen, state)
+        proposals = timed("select", run.select, dp, dr, frozen, state, draft_out)
+        timed("verify_forward", floor.verify_forward, ts, state, proposals)
+        timed("lm_head", floor.lm_head, dp, dr, frozen, h_BxSxH)
+        state, _ = timed("verify", run.verify, ts, dp, dr, state, draft_out, proposals, sps_N)
+    out = {f"{name}_ms": 1e3 * float(np.mean(v[1:])) for name, v in times.items()}
+    out["cycle_ms"] = out["draft_ms"] + out["select_ms"] + out["verify_ms"]
+    out["draft_forward_ms"] = out["draft_ms"]
+    out["floor_ms"] = out["verify_forward_ms"] + out["draft_forward_ms"] + out["lm_head_ms"]
     return out

@@ -192,3 +192,42 @@ def test_prepare_split_cuts_turns_counts_drops_and_keeps_gs_paths(target, mesh1,
     assert report["dropped_total"] == sum(report["dropped"].values())
     assert report["conversations"] == report["samples"] + report["dropped_total"]
     assert not (tmp_path / "gs:").exists() and not any((tmp_path / "local").rglob("gs:"))
+
+
+def test_without_regeneration_the_cache_holds_the_sources_replies_and_the_targets_distribution(
+    target, mesh1, tmp_path
+):
+    """`data.regenerate=False`: no replies file, the samples are the source's own conversations token for
+    token, and the teacher the objective reads (the target's LM head over the cached final states) is the
+    target's distribution over that text, as a direct forward of the sample computes it."""
+    source = tmp_path / "conversations.jsonl"
+    source.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS), encoding="utf-8")
+    config = base.get_config("smoke")
+    config.data.cache_dir = str(tmp_path / "caches")
+    config.data.train_source = str(source)
+    config.data.train_limit = 0
+    config.data.regen_max_turns = 2
+    config.data.max_length = 96
+    config.data.regenerate = False
+    report = prepare_split(config, "train", target, mesh1)
+    assert report["replies"] is None and not list((tmp_path / "caches").rglob("*replies*"))
+    assert (report["samples"], report["dropped"]["no_assistant_reply"]) == (3, 1)
+    assert "regenerate" in cache_settings(config, "train")
+    config.data.regenerate = True
+    assert "regenerate" not in cache_settings(config, "train")  # regenerated caches keep their keys
+    reader = CacheDataSource(report["cache"], expect={"aux_layer_ids": tuple(config.data.aux_layer_ids)})
+    kept = [c for c in CONVERSATIONS if any(m["role"] == "assistant" for m in c)]
+    logits = jax.jit(lambda h: target.model.logits(h))
+    for index, messages in enumerate(kept):
+        record = reader[index]
+        ids, mask = tokenize_conversation(target.tokenizer, target.chat_template, messages)
+        np.testing.assert_array_equal(record["input_ids"], ids[:96])
+        np.testing.assert_array_equal(record["loss_mask"], mask[:96])
+        length = prompt_bucket(len(record["input_ids"]))
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, : len(record["input_ids"])] = record["input_ids"]
+        direct = target.model(jnp.asarray(tokens), valid_BxT=(jnp.arange(length) < len(ids[:96]))[None])
+        want = jax.nn.softmax(logits(direct.hidden_BxTxH[0, : len(record["input_ids"])]), -1)
+        got = jax.nn.softmax(logits(jnp.asarray(record["last_hidden"], jnp.float32)), -1)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-3)
+        assert np.asarray(jnp.sum(jnp.abs(got - want), -1)).max() < 0.05  # L1 over the vocabulary

@@ -142,5 +142,6 @@ def main():
             f"{spec['tokens_per_second'] / base['tokens_per_second']:6.2f}x {same:>9d}/{len(prompts)}"
         )
 
+
 if __name__ == "__main__":
     main()

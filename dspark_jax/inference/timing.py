@@ -143,7 +143,17 @@ def time_cycle_phases(
 
     h_BxSxH = jnp.zeros((batch.tokens_BxP.shape[0], decoder.block_size, decoder.cfg.hidden_size))
     for _ in range(cycles + 1):  # the first cycle compiles
-        timed("prefill", run.prefill, ts, dp, dr, batch.tokens_BxP, batch.lengths_B, batch.real_B, jax.random.key(0))
+        timed(
+            "prefill",
+            run.prefill,
+            ts,
+            dp,
+            dr,
+            batch.tokens_BxP,
+            batch.lengths_B,
+            batch.real_B,
+            jax.random.key(0),
+        )
         draft_out = timed("draft", run.draft_pass, dp, dr, frozen, state)
         proposals = timed("select", run.select, dp, dr, frozen, state, draft_out)
         timed("verify_forward", floor.verify_forward, ts, state, proposals)

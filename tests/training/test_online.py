@@ -76,8 +76,11 @@ def _step(config, side, params, rest, batch, mesh):
     return {k: float(v) for k, v in metrics.items()} | {"grad_norm": float(grad_norm)}
 
 
-def _compare(cache_dir, pack, steps=3, preset="smoke", **data):
-    """Metrics of the offline and the online step on the same pipeline batches, for `steps` batches."""
+def _compare(cache_dir, pack, steps=3, preset="smoke", same_forward=False, **data):
+    """Metrics of the offline and the online step on the same pipeline batches, for `steps` batches.
+
+    `same_forward`: the offline step reads the states the online step's own forward computes over the
+    batch's rows (its shapes, its bf16 rounding) instead of the cache's."""
     mesh = _mesh()
     offline_config = _config(cache_dir, pack, preset, **data)
     online_config = _config(cache_dir, pack, preset, **data)
@@ -96,9 +99,16 @@ def _compare(cache_dir, pack, steps=3, preset="smoke", **data):
                 offline_config, offline_side, batch_size=t.global_batch, seed=0, num_epochs=None
             ),
         )
+        forward = jax.jit(online_side.features)
         pairs = []
         for _ in range(steps):
             batch = next(batches)
+            if same_forward:
+                rows = {k: v for k, v in batch.items() if k not in STATE_FIELDS}
+                states = forward(
+                    online_side.frozen, to_global(rows, mesh, config_lib.sharding_rules(offline_config))
+                )
+                batch = rows | {k: np.asarray(states[k]) for k in STATE_FIELDS}
             pairs.append(
                 (
                     _step(offline_config, offline_side, params, rest, batch, mesh),
@@ -116,8 +126,16 @@ def _compare(cache_dir, pack, steps=3, preset="smoke", **data):
         ("smoke", True, {"online_chunks": 2}, 1e-6),
         ("smoke-hybrid", True, {}, 3e-6),
         pytest.param("demo", True, DEMO_DATA, 1e-4, marks=pytest.mark.slow),
+        pytest.param("demo", True, DEMO_DATA | {"same_forward": True}, 1e-6, marks=pytest.mark.slow),
     ],
-    ids=["smoke-rows", "smoke-packed", "smoke-packed-2-chunks", "smoke-hybrid-packed", "demo-packed"],
+    ids=[
+        "smoke-rows",
+        "smoke-packed",
+        "smoke-packed-2-chunks",
+        "smoke-hybrid-packed",
+        "demo-packed",
+        "demo-packed-same-forward",
+    ],
 )
 def test_online_step_equals_the_offline_step_on_the_same_batches(tmp_path_factory, preset, pack, data, rel):
     """Loss, every logged metric and the gradient norm: the same target forward as the cache builder's,
@@ -131,8 +149,10 @@ def test_online_step_equals_the_offline_step_on_the_same_batches(tmp_path_factor
     elements by one bf16 step: the metrics then differ by up to 2e-5 (2026-12-03, first run) and 5.6e-5
     (`accept_rate_0`, rerun on a later checkout; the test holds 1e-4) relative (measured;
     `results/online-2026-12-03/README.md`), as two offline caches built with other batch shapes do
-    (`tests/cache/test_build.py`). The target's forward in two pieces (`data.online_chunks=2`) reads the
-    same states."""
+    (`tests/cache/test_build.py`). With the states of one forward for both (`same_forward`: the offline
+    step reads what the online step's forward computes over the same packed rows, rounded to bf16 alike)
+    the demo case holds 1e-6: the steps differ only in where their states come from. The target's forward
+    in two pieces (`data.online_chunks=2`) reads the same states."""
     pairs = _compare(tmp_path_factory.mktemp("caches"), pack, preset=preset, **data)
     for offline_metrics, online_metrics in pairs:
         assert set(online_metrics) == set(offline_metrics)

@@ -42,7 +42,14 @@ def test_speculate_cli_reports_mal_and_matches_target_greedy(tmp_path):
     assert result["identical_to_target_greedy"] == "3/3"
     spec = result["speculative"]
     assert spec["requests"] == 3 and spec["cycles"] > 0 and 1.0 <= spec["mal_pooled"] <= 8.0
-    assert set(result["cycle_phases_ms"]) == {"draft_ms", "select_ms", "verify_ms", "cycle_ms"}
+    phases = result["cycle_phases_ms"]
+    assert set(phases) == {
+        *("draft_ms", "select_ms", "verify_ms", "cycle_ms", "prefill_ms"),
+        *("verify_forward_ms", "draft_forward_ms", "lm_head_ms", "floor_ms"),
+    }
+    assert phases["floor_ms"] == pytest.approx(
+        phases["verify_forward_ms"] + phases["draft_forward_ms"] + phases["lm_head_ms"]
+    )
     assert result["target_only"]["tokens_per_second"] > 0 and result["speedup"] > 0
     assert 1.0 <= result["offline"]["tau_prob"] <= 8.0
     assert [len(r["reply_ids"]) for r in result["requests"]] == [1, 1, 1]

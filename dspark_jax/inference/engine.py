@@ -298,7 +298,7 @@ def verify_lengths(
     return scheduler.schedule_lengths(jnp.cumprod(confidence_BxS, axis=1), active_B, sps_N)
 
 
-def _verify_forward(target: Transformer, tokens_BxS1, cache: DecodeCache, settings: SpecSettings, width: int):
+def verify_forward(target: Transformer, tokens_BxS1, cache: DecodeCache, settings: SpecSettings, width: int):
     """Target forward of the first `width` tokens of each row: logits `[B, S+1, V]`, aux states and the
     output (its cache and the linear layers' per-token states), zero-padded past `width` (those
     positions are never read: at most `width - 1` are verified)."""
@@ -328,7 +328,7 @@ def verify_and_accept(
     confidence_BxS = confidence(proposals, settings)
     lengths_B = verify_lengths(confidence_BxS, active_B, settings, sps_N)
     tokens_BxS1 = jnp.concatenate([state.pending_B[:, None], drafts_BxS], 1)
-    forward = functools.partial(_verify_forward, target, tokens_BxS1, state.target_cache, settings)
+    forward = functools.partial(verify_forward, target, tokens_BxS1, state.target_cache, settings)
     if settings.verify_buckets is None:
         width = jnp.int32(s + 1)
         target_logits, aux_BxS1xAxH, verified = forward(s + 1)

@@ -91,10 +91,9 @@ def floor_programs(decoder: SpeculativeDecoder, settings: engine.SpecSettings) -
     tg, dg = decoder.target_graphdef, decoder.draft[0]
 
     def verify_forward(ts, state, proposals):
-        target = nnx.merge(tg, ts)
         tokens_BxS1 = jnp.concatenate([state.pending_B[:, None], proposals.drafts_BxS], 1)
-        out = target(tokens_BxS1, cache=state.target_cache, aux_layer_ids=settings.aux_layer_ids)
-        return target.logits(out.hidden_BxTxH), out.aux_BxTxAxH
+        width = tokens_BxS1.shape[1]
+        return engine.verify_forward(nnx.merge(tg, ts), tokens_BxS1, state.target_cache, settings, width)
 
     def lm_head(dp, dr, frozen, h_BxSxH):
         return nnx.merge(dg, dp, dr).base_logits(frozen, h_BxSxH)
@@ -131,7 +130,6 @@ def time_cycle_phases(
     sps_N = decoder.sps(max_len) if settings.verify_buckets else None
     run = cycle_programs(decoder, settings, max_len)
     ts, (_, dp, dr), frozen = decoder.target_state, decoder.draft, decoder.frozen
-    state = run.prefill(ts, dp, dr, batch.tokens_BxP, batch.lengths_B, batch.real_B, jax.random.key(0))
     floor = floor_programs(decoder, settings)
     times = {name: [] for name in ("draft", "select", "verify", "verify_forward", "lm_head", "prefill")}
 
@@ -141,19 +139,11 @@ def time_cycle_phases(
         times[name].append(time.perf_counter() - begin)
         return result
 
+    for _ in range(2):  # the first call compiles
+        prompt = (batch.tokens_BxP, batch.lengths_B, batch.real_B, jax.random.key(0))
+        state = timed("prefill", run.prefill, ts, dp, dr, *prompt)
     h_BxSxH = jnp.zeros((batch.tokens_BxP.shape[0], decoder.block_size, decoder.cfg.hidden_size))
     for _ in range(cycles + 1):  # the first cycle compiles
-        timed(
-            "prefill",
-            run.prefill,
-            ts,
-            dp,
-            dr,
-            batch.tokens_BxP,
-            batch.lengths_B,
-            batch.real_B,
-            jax.random.key(0),
-        )
         draft_out = timed("draft", run.draft_pass, dp, dr, frozen, state)
         proposals = timed("select", run.select, dp, dr, frozen, state, draft_out)
         timed("verify_forward", floor.verify_forward, ts, state, proposals)

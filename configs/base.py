@@ -74,7 +74,11 @@ Keys:
   draft.num_heads/num_kv_heads/head_dim/intermediate_size   draft layer shape (hidden = target's).
   draft.block_size          slots per block: anchor + 6 MASK (7).
   draft.markov_rank         rank of the Markov head (256).
-  draft.mask_token_id       target embedding row used as MASK; -1 = a learned vector.
+  draft.mask_token_id       target embedding row used as MASK; -1 = a learned vector (no serving engine
+                            loads one: `python -m dspark_jax.export` refuses it). The paper's 151669 is
+                            Qwen3's reserved `<|MASK|>` row; the SmolLM2 presets' 16 is `<empty_output>`, a
+                            Jupyter-format special token its chat never emits (0 of 211k tokens of the
+                            demo caches; `SMOLLM2_MASK_ROW`).
   draft.param_dtype         master weights dtype ('float32').
   draft.dtype               compute dtype ('bfloat16' on accelerators, 'float32' on CPU).
   draft.attention           block attention: 'xla' (chunked), 'pallas' (TPU kernel; XLA elsewhere, logged),
@@ -131,6 +135,9 @@ DEMO_TARGET = dict(
     bos_token_id=1,
     eos_token_ids=(2,),
 )
+# SmolLM2's `<empty_output>`: the MASK row of the demo, accel and smoke drafts (DeepSpec's convention, a
+# target row the target never emits, so the exported draft runs in vLLM and SGLang as it was trained).
+SMOLLM2_MASK_ROW = 16
 # A tiny random target with SmolLM2's vocabulary (and tokenizer), for tests and smoke runs.
 SMOKE_TARGET = dict(
     DEMO_TARGET, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16
@@ -266,7 +273,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.draft.intermediate_size = {"paper": 9728, "demo": 1536, "accel": 1536, "smoke": 128}[preset]
     c.draft.block_size = 7
     c.draft.markov_rank = 32 if smoke else 256
-    c.draft.mask_token_id = 151669 if preset == "paper" else -1
+    c.draft.mask_token_id = 151669 if preset == "paper" else SMOLLM2_MASK_ROW
     c.draft.param_dtype = "float32"
     c.draft.dtype = "bfloat16" if preset in ("paper", "accel") else "float32"
     c.draft.attention = "xla"

@@ -6,8 +6,9 @@ come back bit for bit. The exported directory is then read by a float64 NumPy fo
 DeepSpec's tensor names, its `config.json` keys and DeepSpec's formulas (`fc` + `hidden_norm` on the
 context, q/k norms, RoPE, block attention over `[context j < a; own block]`, final `norm`, `lm_head`,
 `markov_w2(markov_w1[t])`, `proj([h; markov_w1[t]])`), and reproduces the project's logits. Bad inputs
-(a group without DeepSpec names, a learned MASK, missing, mis-shaped or unknown tensors, a config that
-disagrees) fail with errors naming the tensor or key, before anything is written.
+(a learned MASK, missing, mis-shaped or unknown tensors, a config that disagrees) fail with errors naming
+the tensor or key, before anything is written. A group's own parameters and the serving engines' files:
+`tests/test_serving_export.py`.
 """
 
 import json
@@ -24,7 +25,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from configs import baseline, memory, reranker_frozen
+from configs import baseline, reranker_frozen
 from dspark_jax.groups.baseline import block_states
 from dspark_jax.run import checkpoints, config_lib, draft_state, target_side
 from dspark_jax.run import optimizer as optimizer_lib
@@ -276,16 +277,6 @@ def test_exported_files_reproduce_the_drafts_logits(exported, mesh8):
 
 
 # ---- Bad input ------------------------------------------------------------------------------------
-
-
-def test_export_refuses_a_group_without_deepspec_names(exported, mesh8):
-    tmp = exported[0]
-    _save_run(_smoke_config(memory), tmp / "memory_run", mesh8, np.random.default_rng(2))
-    proc, errors = _cli(tmp, "export", f"--checkpoint={tmp / 'memory_run'}", f"--output={tmp / 'memory_out'}")
-    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
-    assert "experiment group 'memory'" in errors[0]
-    assert "memory_adapter.norm.scale, memory_adapter.proj.kernel have no name in DeepSpec" in errors[0]
-    assert not (tmp / "memory_out").exists()
 
 
 def test_export_refuses_a_learned_mask_vector(exported, mesh8):

@@ -98,6 +98,9 @@ class Experiment:
       abstract_side_inputs: `(config, vocab_size) -> {name: pytree of jax.ShapeDtypeStruct}`, the same
         shapes with nothing computed (the ahead-of-time memory check); None with `side_inputs` None.
       decode_options: `DecodeOption`s, the group's own decoding flags (recorded with every result).
+      serving_gap: what a serving engine (vLLM, SGLang, TensorRT-LLM: each runs the baseline DSpark draft
+        only) would need to run the group's own parameters; `python -m dspark_jax.export` refuses the group
+        with it unless asked for the baseline part alone. Empty for a group with no parameter of its own.
 
     How reports show it:
       label: the display name (default: `name`).
@@ -131,6 +134,7 @@ class Experiment:
     side_inputs: Callable[..., Mapping[str, Any]] | None = None
     abstract_side_inputs: Callable[[Any, int], Mapping[str, Any]] | None = None
     decode_options: tuple[DecodeOption, ...] = ()
+    serving_gap: str = ""
     label: str = ""
     design: Design | None = None
     suites: tuple[str, ...] = ()

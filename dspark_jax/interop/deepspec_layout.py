@@ -49,7 +49,7 @@ import numpy as np
 from safetensors import safe_open
 
 from dspark_jax.draft.model import DraftConfig
-from dspark_jax.target.checkpoint import save_hf_checkpoint
+from dspark_jax.target.checkpoint import safetensors_header, save_hf_checkpoint
 from dspark_jax.target.config import TargetConfig
 
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -383,22 +383,23 @@ def _tensor_files(directory: Path) -> dict[str, Path]:
     return {name: directory / file for name, file in weight_map.items()}
 
 
-def _header(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a safetensors header; fails on a missing or truncated file."""
+def _header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (shape, safetensors dtype such as 'F32'); fails on a missing or truncated file."""
     if not path.is_file():
         raise FileNotFoundError(f"safetensors file not found: {path}")
-    try:
-        with safe_open(path, framework="numpy") as f:
-            return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
-    except Exception as e:  # safetensors raises SafetensorError for bad headers and short files
-        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    return safetensors_header(path)
+
+
+def tensor_specs(directory: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor's `(shape, dtype)`, from the safetensors headers only."""
+    files = _tensor_files(Path(directory))
+    headers = {path: _header(path) for path in set(files.values())}
+    return {name: headers[path][name] for name, path in files.items() if name in headers[path]}
 
 
 def tensor_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, from the safetensors headers only."""
-    files = _tensor_files(Path(directory))
-    headers = {path: _header(path) for path in set(files.values())}
-    return {name: headers[path][name] for name, path in files.items() if name in headers[path]}
+    return {name: shape for name, (shape, _) in tensor_specs(directory).items()}
 
 
 def read_tensors(directory: str | Path, names: Iterable[str]) -> dict[str, np.ndarray]:

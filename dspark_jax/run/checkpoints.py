@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from dspark_jax.inference import calibration
+from dspark_jax.interop import engines
 from dspark_jax.run import config_lib
 
 _STATE, _DATA_ITER, _META = "state", "data_iter", "meta"
@@ -241,6 +242,13 @@ def calibration_file(checkpoint: str | os.PathLike, step: int) -> epath.Path:
     """The STS calibration file of checkpoint `step` of the run that `checkpoint` names (beside its
     checkpoints directory: `<workdir>/calibration/step_<step>/sts.json`)."""
     return calibration.calibration_path(resolve_checkpoint(checkpoint)[0].parent, step)
+
+
+def sps_table_file(checkpoint: str | os.PathLike) -> epath.Path:
+    """The serving SPS table profiled for the run that `checkpoint` names (the target's on one device,
+    whatever the step; `python -m dspark_jax.calibrate --profile_sps`):
+    `<workdir>/calibration/sps_table.json`."""
+    return epath.Path(resolve_checkpoint(checkpoint)[0].parent) / "calibration" / engines.SPS_FILE
 
 
 def load_calibration(

@@ -24,9 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax import sharding
+from dspark_jax import groups, sharding
+from dspark_jax.inference import calibration
 from dspark_jax.interop import deepspec_layout as layout
-from dspark_jax.run import config_lib, draft_state
+from dspark_jax.interop import engines
+from dspark_jax.run import checkpoints, config_lib, draft_state
 from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.run.checkpoints import Checkpointer
 from dspark_jax.target import TargetConfig, target_from_config
@@ -82,12 +84,108 @@ def _placed(abstract: nnx.State, values: dict[layout.ParamPath, np.ndarray]) -> 
     return nnx.from_flat_state([one(path, variable) for path, variable in nnx.to_flat_state(abstract)])
 
 
-def export_draft(config, checkpoint: str | os.PathLike, output: str | os.PathLike) -> Path:
-    """Writes the draft of `checkpoint` (trained with `config`) as a DeepSpec directory `output`."""
+def _left_out(config, cfg, shapes: dict[layout.ParamPath, tuple[int, ...]], baseline_part: bool) -> list[str]:
+    """The group's own parameters (no engine has them), grouped by module; refuses them unless
+    `baseline_part`. A learned MASK vector is refused either way (it is the baseline's MASK)."""
+    named = {t.path for t in layout.tensor_layout(cfg).values()}
+    if ("mask_embedding",) in shapes:  # refused whatever the group: names the learned MASK and the fix
+        layout.check_exportable(
+            {p: x for p, x in shapes.items() if p in named or p == ("mask_embedding",)},
+            cfg,
+            config.experiment,
+        )
+    layout.check_exportable({p: x for p, x in shapes.items() if p in named}, cfg, config.experiment)
+    extra = sorted({str(p[0]) + (".*" if len(p) > 1 else "") for p in shapes if p not in named})
+    if not extra:
+        return []
+    if not baseline_part:
+        raise ValueError(
+            f"experiment group {config.experiment!r}: parameters {', '.join(extra)} run in no serving "
+            "engine: vLLM (Qwen3DSparkForCausalLM), SGLang (Qwen3DSparkModel) and TensorRT-LLM (DSpark) "
+            f"would need {groups.get(config.experiment).serving_gap}; pass --baseline_part to export the "
+            "baseline DSpark draft inside it alone (recorded in config.json)"
+        )
+    log.warning("exporting the baseline part of %s alone: %s left out", config.experiment, ", ".join(extra))
+    return extra
+
+
+def _sts(config, calibration_record: dict, mode: str, step: int) -> dict:
+    held_out = calibration_record["ece"][mode]["held_out"]
+    return engines.sts_file(
+        calibration_record["temperatures"][mode],
+        dataset=config.data.val_source or "gsm8k_val256",
+        num_samples=calibration_record["blocks"]["fit"],
+        ece_before=held_out["before"],
+        ece_after=held_out["after"],
+        mode=mode,
+        step=step,
+        experiment=config.experiment,
+    )
+
+
+def _mean_survival(calibration_record: dict, mode: str) -> list[float]:
+    """Per position, the measured cumulative acceptance over the held-out blocks (the reliability bins')."""
+    out = []
+    for bins in calibration_record["reliability"][mode]["held_out"]["after"]:
+        pairs = [(n, a) for n, a in zip(bins["count"], bins["accuracy"]) if n]
+        out.append(sum(n * a for n, a in pairs) / max(1, sum(n for n, _ in pairs)))
+    return out
+
+
+def side_files(config, checkpoint, step: int, config_json: dict, output: Path, for_engines, sts_mode: str):
+    """The engines' own files for `for_engines` from the run's calibration of `step` and its SPS table
+    (each only when it was made: `python -m dspark_jax.calibrate [--profile_sps]`), by file name."""
+    sts_path, sps_path = (
+        checkpoints.calibration_file(checkpoint, step),
+        checkpoints.sps_table_file(checkpoint),
+    )
+    record = json.loads(sts_path.read_text()) if sts_path.exists() else None
+    sps = json.loads(sps_path.read_text()) if sps_path.exists() else None
+    files = {}
+    if "sglang" in for_engines:
+        if record is not None:
+            files[engines.STS_FILE] = _sts(config, record, sts_mode, step)
+        if sps is not None:
+            files[engines.SPS_FILE] = sps
+        for path, what in ((sts_path, record), (sps_path, sps)):
+            if what is None:
+                log.warning(
+                    "no %s: SGLang runs the draft without it (static verification); make it with "
+                    "python -m dspark_jax.calibrate --checkpoint=%s%s",
+                    path,
+                    checkpoint,
+                    " --profile_sps (on the serving machine)" if path == sps_path else "",
+                )
+    if "trtllm" in for_engines:
+        schedule = None
+        if record is not None and sps is not None:
+            schedule = engines.draft_len_schedule(
+                _mean_survival(record, sts_mode), sps, sps["rows"], config.draft.block_size
+            )
+        files[engines.TRTLLM_FILE] = engines.trtllm_options(config_json, str(output.resolve()), schedule)
+    return files
+
+
+def export_draft(
+    config,
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    for_engines=engines.ENGINES,
+    baseline_part: bool = False,
+    sts_mode: str = "greedy",
+) -> Path:
+    """Writes the draft of `checkpoint` (trained with `config`) as a DeepSpec directory `output`, with the
+    side files of `for_engines`, and checks the directory against their loaders (`engines.check_directory`).
+
+    A group with parameters of its own is refused (its `serving_gap` named) unless `baseline_part`: then
+    the baseline DSpark draft inside it is written alone, recorded under `dspark_jax` in `config.json`."""
     target = target_shape(config)
     cfg = draft_state.draft_config(config, target)
     _, abstract, _ = draft_state.abstract_draft(config, target)
-    layout.check_exportable({p: x.shape for p, x in _flat(abstract).items()}, cfg, config.experiment)
+    left_out = _left_out(config, cfg, {p: x.shape for p, x in _flat(abstract).items()}, baseline_part)
+    if sts_mode not in calibration.MODES:
+        raise ValueError(f"STS mode must be one of {calibration.MODES}, got {sts_mode!r}")
     aux_ids = config.data.aux_layer_ids
     if target.num_layers - 1 in aux_ids:
         log.warning(
@@ -98,6 +196,7 @@ def export_draft(config, checkpoint: str | os.PathLike, output: str | os.PathLik
         )
     mesh = sharding.make_mesh(config.mesh.to_dict())
     hf_config, tensors = target_tensors(config, mesh)
+    step = checkpoints.checkpoint_step(checkpoint)
     config_json = layout.deepspec_config(
         hf_config,
         cfg,
@@ -105,11 +204,25 @@ def export_draft(config, checkpoint: str | os.PathLike, output: str | os.PathLik
         target_layer_ids=aux_ids,
         num_anchors=config.train.num_anchors,
         dtype=cfg.param_dtype,
-    )
+    ) | {
+        "dspark_jax": {
+            "experiment": config.experiment,
+            "step": step,
+            "baseline_part_only": bool(left_out),
+            "left_out": left_out,
+        }
+    }
     _, params, _, step = draft_state.restore_draft(config, target, mesh, checkpoint)
-    host = {path: np.asarray(jax.device_get(x)) for path, x in _flat(params).items()}
+    named = {t.path for t in layout.tensor_layout(cfg).values()}
+    host = {path: np.asarray(jax.device_get(x)) for path, x in _flat(params).items() if path in named}
     tensors |= layout.to_deepspec(host, cfg, config.experiment)
     directory = layout.write_directory(output, config_json, tensors)
+    engines.write_side_files(
+        directory, side_files(config, checkpoint, step, config_json, directory, for_engines, sts_mode)
+    )
+    problems = engines.check_directory(directory, for_engines)
+    if problems:
+        raise ValueError(f"{directory} would not load: " + "; ".join(problems))
     log.info("exported step %d of %s to %s (%d tensors)", step, checkpoint, directory, len(tensors))
     return directory
 

@@ -12,14 +12,16 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from dspark_jax import groups
-from dspark_jax.inference import calibration
+from dspark_jax.inference import calibration, scheduler
 from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.inference.timing import time_cycle_phases
-from dspark_jax.run import checkpoints, config_lib, decoding, draft_state
+from dspark_jax.interop import engines
+from dspark_jax.run import checkpoints, config_lib, decoding, draft_state, target_side
 from dspark_jax.suite import plots
 from dspark_jax.target import Target
 from dspark_jax.target.generate import SamplingParams, generate_replies
@@ -81,6 +83,41 @@ def calibrate_checkpoint(config, checkpoint: str | os.PathLike, bins: int = cali
             f"{config.experiment} step {validation.step}: {mode} acceptance, held-out blocks",
         )
     return path, record
+
+
+def profile_serving_sps(
+    config, checkpoint: str | os.PathLike, rows: Sequence[int], cache_slots: int, mesh: Mesh, repeats: int = 5
+):
+    """Profiles the target's verification forward (`scheduler.profile_sps`) at every `rows` count and width
+    `1..S+1` on this device and writes SGLang's SPS cost table (batch tokens -> passes per second, with the
+    device named) to `checkpoints.sps_table_file(checkpoint)`. Returns `(path, table)`."""
+    target = target_side.load_run_target(config, mesh)
+    widths = range(1, config.draft.block_size + 2)
+    tables = [
+        scheduler.profile_sps(
+            target.model,
+            rows=b,
+            max_len=cache_slots,
+            buckets=widths,
+            aux_layer_ids=config.data.aux_layer_ids,
+            repeats=repeats,
+        )
+        for b in rows
+    ]
+    device = jax.devices()[0]
+    table = engines.sps_file(
+        [n for t in tables for n in t.tokens],
+        [v for t in tables for v in t.sps],
+        max(rows) * (config.draft.block_size + 1),
+        device=f"{len(jax.devices())} x {device.device_kind} ({device.platform})",
+        target=config.target.name,
+        rows=list(rows),
+        cache_slots=cache_slots,
+        jax_version=jax.__version__,
+    )
+    path = checkpoints.sps_table_file(checkpoint)
+    calibration.save(path, table)
+    return path, table
 
 
 @dataclasses.dataclass(frozen=True)

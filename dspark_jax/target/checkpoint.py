@@ -246,7 +246,7 @@ def _canonical_hf_name(name: str) -> str | None:
     return name
 
 
-def _safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+def safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, dtype) from a safetensors header; fails on a truncated file."""
     try:
         with safe_open(path, framework="numpy") as f:
@@ -297,7 +297,7 @@ class HFCheckpoint(TargetCheckpoint):
             path = directory / shard
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: shard listed in {index_path} is missing")
-            header = _safetensors_header(path)
+            header = safetensors_header(path)
             for name in listed:
                 if name not in header:
                     raise CheckpointError(

@@ -24,6 +24,7 @@ def _smoke():
 
 def test_draft_config_is_the_whole_draft_section():
     config, target = _smoke()
+    config.draft.mask_token_id = -1  # the presets' draft has a target row (16) as MASK
     cfg = draft_state.draft_config(config, target)
     assert {k: getattr(cfg, k) for k in config.draft} == {
         **config.draft.to_dict(),

@@ -169,7 +169,12 @@ def _markov_select(draft, frozen: FrozenTarget, h_BxSxH, state: engine.SpecState
     return engine.markov_select(draft, frozen, h_BxSxH, state, rng, settings, markov)
 
 
-def _register(name, label, design, build, sums, draft_pass=engine.draft_hidden, select=engine.markov_select):
+_HASHING = "the group's n-gram hash tables (a side input of the draft) and hashing of the drafted prefix, "
+
+
+def _register(
+    name, label, design, build, sums, serving_gap, draft_pass=engine.draft_hidden, select=engine.markov_select
+):
     proposer = engine.Proposer(draft_pass, select, init_recent, next_recent)
     return register(
         Experiment(
@@ -188,6 +193,7 @@ def _register(name, label, design, build, sums, draft_pass=engine.draft_hidden, 
             check_config=prepare.check_config,
             side_inputs=side_inputs,
             abstract_side_inputs=abstract_side_inputs,
+            serving_gap=_HASHING + serving_gap,
         )
     )
 
@@ -204,6 +210,8 @@ ENGRAM_MARKOV = _register(
     ),
     engram_lib.EngramMarkovDraft,
     engram_markov_sums,
+    "fed through W_Q, W_K, W_V into the Markov head at every slot (the engines' Markov head is the vanilla "
+    "low-rank one, markov_head_type 'vanilla', 'gated' or 'rnn')",
     select=_markov_select,
 )
 ENGRAM_MASK_GATED = _register(
@@ -217,6 +225,8 @@ ENGRAM_MASK_GATED = _register(
     ),
     engram_lib.EngramMaskDraft,
     engram_mask_sums,
+    "projected by P and added through per-slot gates to the MASK embedding (the engines feed "
+    "embed_tokens[mask_token_id] unchanged)",
     draft_pass=_mask_draft_pass,
 )
 ENGRAM_MASK_REPLACE = _register(
@@ -230,5 +240,7 @@ ENGRAM_MASK_REPLACE = _register(
     ),
     engram_lib.EngramReplaceDraft,
     engram_mask_sums,
+    "projected by P into the block's slots in place of the MASK embedding (the engines feed "
+    "embed_tokens[mask_token_id])",
     draft_pass=_mask_draft_pass,
 )

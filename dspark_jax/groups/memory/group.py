@@ -178,6 +178,9 @@ MEMORY = register(
         proposer=MEMORY_PROPOSER,
         config_class=memory_lib.MemoryDraftConfig,
         resumable_keys=("draft.memory_source",),
+        serving_gap="the last cycle's draft states past its first rejected slot kept per request and read "
+        "through the memory adapter as extra context of the next block (the engines' draft reads the "
+        "target's hidden states and its own block only)",
         decode_options=(
             DecodeOption(
                 "memory_source",

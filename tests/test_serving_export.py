@@ -1,0 +1,314 @@
+"""An export the serving engines load: weights, config, SGLang's STS and SPS files, TensorRT-LLM's options.
+
+A smoke baseline run gets an STS calibration (fitted by the project's own STS on synthetic blocks) and a
+profiled SPS table (`calibrate --profile_sps`'s library call, on this CPU), is exported with `--for=all`
+and passes the checker for every engine. The checker's rules come from the engines' loaders; the schemas
+below are written independently from the same sources and decode the files with msgspec, as SGLang does:
+
+  SGLang DSparkStsCalibration: sgl-project/sglang
+    python/sglang/srt/speculative/dspark_components/dspark_sts.py @9e16e2d0e6e9b666c61391686b9e46f5348f2eca
+  SGLang SpsCostTable: python/sglang/srt/speculative/dspark_components/dspark_sps.py
+    @45b76f55042711c33f1e2f0ba2a4281f7a51704a
+  TensorRT-LLM DSparkDecodingConfig: NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py
+    @0004396720054fd8e205cbf616f21f0b57c6b412 (draft_len_schedule's rules)
+  vLLM Qwen3DSparkForCausalLM: vllm-project/vllm vllm/model_executor/models/qwen3_dspark.py
+    @0302ff40439493d0db2e3bbfd509211703375d08 (confidence head in float32)
+
+Broken exports (a missing tensor, a bf16 confidence head, a wrong STS length, a bad SPS table or TRT-LLM
+schedule) fail the checker with a line naming the problem; a group whose own parameters no engine runs is
+refused naming them and what the engines would need, unless its baseline part is asked for alone.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import load_file, save_file
+
+from configs import (
+    baseline,
+    engram_markov,
+    engram_mask_gated,
+    engram_mask_replace,
+    memory,
+    reranker_frozen,
+    reranker_joint,
+)
+from dspark_jax import groups
+from dspark_jax.interop import engines
+from dspark_jax.run import checkpoints
+from dspark_jax.run.deepspec_checkpoint import export_draft
+from dspark_jax.suite import measure
+from tests.references import reference
+from tests.test_export import _cli, _save_run, _smoke_config
+
+S = 7  # the smoke draft's block size
+
+
+def _calibration(run, step, rng):
+    """A calibration record of `step` fitted by the project's STS on synthetic blocks whose acceptance
+    follows their confidence logits at temperature 2 (so the fit moves away from 1)."""
+    records = []
+    for _ in range(4):
+        logits = rng.normal(size=(64, S)) * 2
+        accept = (rng.random((64, S)) < 1 / (1 + np.exp(-logits / 2))).astype(np.float32)
+        records.append(
+            {
+                "confidence_logit": logits,
+                "greedy_accept": accept,
+                "overlap": accept,
+                "eval_mask": np.ones((64, S)),
+            }
+        )
+    record = {"step": step, "experiment": "baseline", "bins": 10, **measure.fit_and_report(records, 10)}
+    path = checkpoints.calibration_file(run, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+    return record
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, mesh8):
+    """`(tmp, calibration record, SPS table, export directory)`: a smoke run exported with `--for=all`."""
+    tmp = tmp_path_factory.mktemp("serving")
+    config = _smoke_config(baseline, mask_row=16)
+    _save_run(config, tmp / "run", mesh8, np.random.default_rng(0))
+    record = _calibration(tmp / "run", 3, np.random.default_rng(1))
+    _, sps = measure.profile_serving_sps(
+        config, tmp / "run", rows=(1, 2), cache_slots=64, mesh=mesh8, repeats=2
+    )
+    proc, errors = _cli(tmp, "export", f"--checkpoint={tmp / 'run'}", f"--output={tmp / 'out'}", "--for=all")
+    assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
+    assert "loads in vllm, sglang, trtllm" in proc.stdout
+    return tmp, record, sps, tmp / "out"
+
+
+def test_the_export_holds_every_engines_files_and_passes_the_checker(served):
+    _, record, sps, out = served
+    names = {p.name for p in out.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        engines.STS_FILE,
+        engines.SPS_FILE,
+        engines.TRTLLM_FILE,
+    } <= names
+    assert engines.check_directory(out) == []
+    sts = json.loads((out / engines.STS_FILE).read_text())
+    assert sts["temperatures"] == record["temperatures"]["greedy"] and len(sts["temperatures"]) == S
+    assert sts["ece_after"] == record["ece"]["greedy"]["held_out"]["after"] and sts["mode"] == "greedy"
+    assert sts["temperatures"] != [1.0] * S  # a real fit, not the identity
+    table = json.loads((out / engines.SPS_FILE).read_text())
+    assert table == sps and "cpu" in table["device"].lower()
+    assert table["sample_batch_tokens"] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]  # 1 x 1..8, 2 x 1..8
+    assert table["max_batch_tokens"] == 2 * (S + 1)
+    spec = yaml.safe_load((out / engines.TRTLLM_FILE).read_text())["speculative_config"]
+    assert spec["decoding_type"] == "DSpark" and spec["max_draft_len"] == spec["block_size"] == S
+    assert spec["mask_token_id"] == 16 and spec["speculative_model_dir"] == str(out.resolve())
+    assert set(spec["draft_len_schedule"]) == {1, 2} and spec["draft_len_schedule"][1] == S
+
+
+def test_sglangs_own_schemas_decode_the_files(served):
+    """msgspec structs with SGLang's field names and types (sources in the module docstring) decode the STS
+    and SPS files strictly, as `load_sts_calibration_from_path` and `load_sps_table_from_path` do."""
+    msgspec = reference("msgspec")
+
+    class Sts(msgspec.Struct, frozen=True):
+        temperatures: list[float]
+        dataset: str = ""
+        num_samples: int = 0
+        ece_before: list[float] = []  # noqa: RUF012 (msgspec copies defaults)
+        ece_after: list[float] = []  # noqa: RUF012
+
+    class Sps(msgspec.Struct, frozen=True):
+        sample_batch_tokens: list[int]
+        sample_steps_per_sec: list[float]
+        max_batch_tokens: int
+
+    out = served[3]
+    sts = msgspec.json.decode((out / engines.STS_FILE).read_bytes(), type=Sts)
+    assert len(sts.temperatures) == S and min(sts.temperatures) > 0 and sts.num_samples > 0
+    sps = msgspec.json.decode((out / engines.SPS_FILE).read_bytes(), type=Sps)
+    assert (
+        sps.sample_batch_tokens == sorted(set(sps.sample_batch_tokens))
+        and len(sps.sample_steps_per_sec) == 12
+    )
+    assert b'"bias_seconds"' not in (out / engines.SPS_FILE).read_bytes()  # else read as the additive form
+
+
+def test_the_config_reads_as_each_engine_reads_it(served):
+    out = served[3]
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["Qwen3DSparkModel"] and c["model_type"] == "qwen3"
+    assert (c["mask_token_id"], c["markov_head_type"], c["block_size"]) == (16, "vanilla", S)
+    assert c["num_target_layers"] == 4 and all(0 <= i < 4 for i in c["target_layer_ids"])
+    assert "sliding_attention" not in c["layer_types"]  # vLLM: full-attention layers run non-causal
+    assert c["dspark_jax"] == {
+        "experiment": "baseline",
+        "step": 3,
+        "baseline_part_only": False,
+        "left_out": [],
+    }
+    weights = load_file(out / "model.safetensors")
+    assert weights["confidence_head.proj.weight"].dtype == np.float32
+
+
+def _broken(served, name, edit):
+    tmp, out = served[0], served[3]
+    broken = tmp / name
+    if broken.exists():
+        shutil.rmtree(broken)
+    shutil.copytree(out, broken)
+    edit(broken)
+    return engines.check_directory(broken)
+
+
+def _edit_weights(change):
+    def edit(directory):
+        tensors = load_file(directory / "model.safetensors")
+        change(tensors)
+        save_file(tensors, directory / "model.safetensors")
+
+    return edit
+
+
+def _edit_json(name, change):
+    def edit(directory):
+        doc = json.loads((directory / name).read_text())
+        change(doc)
+        (directory / name).write_text(json.dumps(doc))
+
+    return edit
+
+
+def _edit_yaml(change):
+    def edit(directory):
+        doc = yaml.safe_load((directory / engines.TRTLLM_FILE).read_text())
+        change(doc["speculative_config"])
+        (directory / engines.TRTLLM_FILE).write_text(yaml.safe_dump(doc))
+
+    return edit
+
+
+BROKEN = {
+    "missing tensor": (
+        _edit_weights(lambda t: t.pop("layers.1.mlp.down_proj.weight")),
+        ["missing tensor layers.1.mlp.down_proj.weight"] * 3,
+    ),
+    "bf16 confidence head": (
+        _edit_weights(
+            lambda t: t.update(
+                {"confidence_head.proj.weight": t["confidence_head.proj.weight"].astype("bfloat16")}
+            )
+        ),
+        ["tensor confidence_head.proj.weight is BF16: the confidence head is built and read in float32"] * 3,
+    ),
+    "wrong STS length": (
+        _edit_json(engines.STS_FILE, lambda d: d["temperatures"].pop()),
+        ["sglang: sts_calibration.json: 6 temperatures, SGLang needs one per draft position (block_size=7)"],
+    ),
+    "non-positive temperature": (
+        _edit_json(engines.STS_FILE, lambda d: d["temperatures"].__setitem__(0, 0.0)),
+        ["sglang: sts_calibration.json: temperatures="],
+    ),
+    "unsorted SPS probes": (
+        _edit_json(engines.SPS_FILE, lambda d: d["sample_batch_tokens"].reverse()),
+        ["sample_batch_tokens [16, 14,"],
+    ),
+    "SPS max below its probes": (
+        _edit_json(engines.SPS_FILE, lambda d: d.update(max_batch_tokens=3)),
+        ["max_batch_tokens=3 below the largest probe 16"],
+    ),
+    "learned MASK (no row)": (
+        _edit_json("config.json", lambda d: d.update(mask_token_id=-1)),
+        ["mask_token_id=-1 outside the vocabulary"] * 2,
+    ),
+    "causal layers": (
+        _edit_json("config.json", lambda d: d.update(layer_types=["sliding_attention"] * 3)),
+        ["causal attention (sliding layers [0, 1, 2])"] * 3,
+    ),
+    "markov rank in a sub-config only": (
+        _edit_json("config.json", lambda d: d.update(dflash_config={"markov_rank": d.pop("markov_rank")})),
+        ["markov_rank=None: a positive integer at the top level is required"] * 3,
+    ),
+    "TRT-LLM schedule not starting at the full length": (
+        _edit_yaml(lambda s: s.update(draft_len_schedule={1: 3, 4: 2})),
+        ["draft_len_schedule[1]=3: the smallest batch size must map to max_draft_len=7"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_broken_export_fails_the_checker_naming_the_problem(served, case):
+    edit, expected = BROKEN[case]
+    problems = _broken(served, case.replace(" ", "_"), edit)
+    for fragment in expected:
+        assert any(fragment in line for line in problems), (fragment, problems)
+    assert len(problems) >= len(expected) and all(line.split(":")[0] in engines.ENGINES for line in problems)
+
+
+def test_the_check_command_lists_problems_and_exits_1(served):
+    tmp = served[0]
+    _broken(served, "cli_broken", BROKEN["missing tensor"][0])
+    proc, errors = _cli(tmp, "export", f"--check={tmp / 'cli_broken'}", "--for=sglang")
+    assert proc.returncode == 1 and len(errors) == 1 and "1 problems for sglang" in errors[0], proc.stderr[
+        -2000:
+    ]
+    assert proc.stdout.splitlines()[0].startswith(
+        "sglang: weights: missing tensor layers.1.mlp.down_proj.weight"
+    )
+    proc, errors = _cli(tmp, "export", f"--check={served[3]}")
+    assert proc.returncode == 0 and "loads in vllm, sglang, trtllm" in proc.stdout, proc.stderr[-2000:]
+    proc, errors = _cli(tmp, "export", f"--check={served[3]}", "--for=tgi")
+    assert proc.returncode == 2 and "--for is wrong: unknown serving engine tgi" in errors[0]
+
+
+GROUP_CONFIGS = {
+    "engram_markov": engram_markov,
+    "engram_mask_gated": engram_mask_gated,
+    "engram_mask_replace": engram_mask_replace,
+    "memory": memory,
+    "reranker_joint": reranker_joint,
+    "reranker_frozen": reranker_frozen,
+}
+
+
+@pytest.mark.parametrize("group", list(GROUP_CONFIGS))
+def test_a_group_no_engine_runs_is_refused_naming_what_is_missing_where(group, tmp_path):
+    """Refused before any checkpoint is read (the path does not exist), with the group's own parameters
+    and what vLLM, SGLang and TensorRT-LLM would need (the group's `serving_gap`)."""
+    config = _smoke_config(GROUP_CONFIGS[group], mask_row=16)
+    with pytest.raises(ValueError) as error:
+        export_draft(config, tmp_path / "no_run", tmp_path / "out")
+    message = str(error.value)
+    assert f"experiment group {group!r}: parameters " in message and "\n" not in message
+    assert (
+        "vLLM (Qwen3DSparkForCausalLM), SGLang (Qwen3DSparkModel) and TensorRT-LLM (DSpark) would need"
+        in message
+    )
+    assert groups.get(group).serving_gap in message and "--baseline_part" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_baseline_part_of_a_group_exports_when_asked_and_says_so(served, mesh8):
+    tmp = served[0]
+    config = _smoke_config(memory, mask_row=16)
+    _save_run(config, tmp / "memory_run", mesh8, np.random.default_rng(2))
+    proc, errors = _cli(tmp, "export", f"--checkpoint={tmp / 'memory_run'}", f"--output={tmp / 'memory_out'}")
+    assert proc.returncode == 1 and len(errors) == 1 and "memory_adapter.*" in errors[0], proc.stderr[-2000:]
+    assert not (tmp / "memory_out").exists()
+    args = (f"--checkpoint={tmp / 'memory_run'}", f"--output={tmp / 'memory_out'}", "--baseline_part")
+    proc, errors = _cli(tmp, "export", *args, "--for=vllm,sglang")
+    assert proc.returncode == 0 and not errors, proc.stderr[-2000:]
+    c = json.loads((tmp / "memory_out" / "config.json").read_text())
+    assert c["dspark_jax"] == {
+        "experiment": "memory",
+        "step": 3,
+        "baseline_part_only": True,
+        "left_out": ["memory_adapter.*"],
+    }
+    assert engines.check_directory(tmp / "memory_out", ("vllm", "sglang")) == []
+    assert not (tmp / "memory_out" / engines.TRTLLM_FILE).exists()  # not asked for
+    assert not any(k.startswith("memory") for k in load_file(tmp / "memory_out" / "model.safetensors"))

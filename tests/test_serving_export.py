@@ -25,6 +25,7 @@ import shutil
 import numpy as np
 import pytest
 import yaml
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from configs import (
@@ -37,14 +38,33 @@ from configs import (
     reranker_joint,
 )
 from dspark_jax import groups
+from dspark_jax.data.conversations import PACKAGED_SOURCES
 from dspark_jax.interop import engines
-from dspark_jax.run import checkpoints
+from dspark_jax.run import checkpoints, deepspec_checkpoint, draft_state
 from dspark_jax.run.deepspec_checkpoint import export_draft
 from dspark_jax.suite import measure
+from dspark_jax.target.checkpoint import default_target_path
+from dspark_jax.target.tokenizer import Tokenizer
 from tests.references import reference
-from tests.test_export import _cli, _save_run, _smoke_config
+from tests.test_export import _cli, _save_run
 
 S = 7  # the smoke draft's block size
+
+
+@pytest.mark.parametrize("preset", ["demo", "accel", "smoke"])
+def test_every_cpu_preset_drafts_with_a_special_target_row_as_mask(preset):
+    """No learned MASK (which no engine loads): SmolLM2's `<empty_output>`, a special token that no packaged
+    prompt contains (and that none of the 211k tokens of the demo caches held, `configs/base.py`)."""
+    config = baseline.get_config(preset)
+    target = deepspec_checkpoint.target_shape(config)
+    _, abstract, _ = draft_state.abstract_draft(config, target)
+    assert ("mask_embedding",) not in {path for path, _ in nnx.to_flat_state(abstract)}
+    assert config.draft.mask_token_id == 16
+    tokenizer = Tokenizer.from_gguf(default_target_path())
+    assert 16 in tokenizer.special_ids and tokenizer.id_to_token(16) == "<empty_output>"
+    for path in PACKAGED_SOURCES.values():
+        text = path.read_text()
+        assert "<empty_output>" not in text and 16 not in tokenizer.encode(text[:20000]), path
 
 
 def _calibration(run, step, rng):
@@ -73,7 +93,7 @@ def _calibration(run, step, rng):
 def served(tmp_path_factory, mesh8):
     """`(tmp, calibration record, SPS table, export directory)`: a smoke run exported with `--for=all`."""
     tmp = tmp_path_factory.mktemp("serving")
-    config = _smoke_config(baseline, mask_row=16)
+    config = baseline.get_config("smoke")  # the preset as it is: its MASK is a target row
     _save_run(config, tmp / "run", mesh8, np.random.default_rng(0))
     record = _calibration(tmp / "run", 3, np.random.default_rng(1))
     _, sps = measure.profile_serving_sps(
@@ -279,7 +299,7 @@ GROUP_CONFIGS = {
 def test_a_group_no_engine_runs_is_refused_naming_what_is_missing_where(group, tmp_path):
     """Refused before any checkpoint is read (the path does not exist), with the group's own parameters
     and what vLLM, SGLang and TensorRT-LLM would need (the group's `serving_gap`)."""
-    config = _smoke_config(GROUP_CONFIGS[group], mask_row=16)
+    config = GROUP_CONFIGS[group].get_config("smoke")
     with pytest.raises(ValueError) as error:
         export_draft(config, tmp_path / "no_run", tmp_path / "out")
     message = str(error.value)
@@ -288,13 +308,14 @@ def test_a_group_no_engine_runs_is_refused_naming_what_is_missing_where(group, t
         "vLLM (Qwen3DSparkForCausalLM), SGLang (Qwen3DSparkModel) and TensorRT-LLM (DSpark) would need"
         in message
     )
-    assert groups.get(group).serving_gap in message and "--baseline_part" in message
+    gap = groups.get(group).serving_gap
+    assert gap and gap in message and "--baseline_part" in message
     assert not (tmp_path / "out").exists()
 
 
 def test_the_baseline_part_of_a_group_exports_when_asked_and_says_so(served, mesh8):
     tmp = served[0]
-    config = _smoke_config(memory, mask_row=16)
+    config = memory.get_config("smoke")
     _save_run(config, tmp / "memory_run", mesh8, np.random.default_rng(2))
     proc, errors = _cli(tmp, "export", f"--checkpoint={tmp / 'memory_run'}", f"--output={tmp / 'memory_out'}")
     assert proc.returncode == 1 and len(errors) == 1 and "memory_adapter.*" in errors[0], proc.stderr[-2000:]

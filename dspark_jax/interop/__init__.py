@@ -1,2 +1,3 @@
-"""DeepSpec interoperability: its cache layout (`deepspec_cache`), its draft parameter layout
-(`deepspec_layout`) and checkpoint export/import (`deepspec_checkpoint`)."""
+"""Interoperability: DeepSpec's cache layout (`deepspec_cache`) and draft parameter layout
+(`deepspec_layout`), and what the serving engines read from an exported draft (`engines`: their side
+files and a loader checker). Checkpoint export/import: `dspark_jax.run.deepspec_checkpoint`."""

@@ -199,21 +199,19 @@ class _Problems(list):
 
 def _check_draft_keys(c: Mapping[str, Any], engine: str, out: _Problems) -> bool:
     """The config keys every engine reads; False when the shape keys are unusable (tensors not checked)."""
-    where = layout.CONFIG_FILE
+    bad = lambda text: out.add(engine, layout.CONFIG_FILE, text)
     arch = c.get("architectures") or []
     if engine == "vllm":
         ok = "Qwen3DSparkModel" in arch or ("DSparkDraftModel" in arch and c.get("model_type") == "qwen3")
         if not ok:
-            out.add(
-                engine,
-                where,
+            bad(
                 f"architectures={arch!r}: vLLM runs a Qwen3 DSpark draft only as "
                 "Qwen3DSparkModel (or DSparkDraftModel with model_type 'qwen3') [vllm-method]",
             )
     elif "Qwen3DSparkModel" not in arch:
-        out.add(engine, where, f"architectures={arch!r}: the draft class is Qwen3DSparkModel [sglang-model]")
+        bad(f"architectures={arch!r}: the draft class is Qwen3DSparkModel [sglang-model]")
     if c.get("model_type") != "qwen3":
-        out.add(engine, where, f"model_type={c.get('model_type')!r}, expected 'qwen3' (the draft's layers)")
+        bad(f"model_type={c.get('model_type')!r}, expected 'qwen3' (the draft's layers)")
     shape_ok = True
     for key in (
         "hidden_size",
@@ -225,75 +223,59 @@ def _check_draft_keys(c: Mapping[str, Any], engine: str, out: _Problems) -> bool
         "block_size",
     ):
         if not (_is_int(c.get(key)) and c[key] > 0):
-            out.add(engine, where, f"{key}={c.get(key)!r}, expected a positive integer")
+            bad(f"{key}={c.get(key)!r}, expected a positive integer")
             shape_ok = False
     sections = {"vllm": ("dflash_config",), "sglang": ("dspark_config", "text_config"), "trtllm": ()}[engine]
     mask = _first(c, "mask_token_id", *sections)
     if engine == "sglang" and mask is None:
         mask = (c.get("dflash_config") or {}).get("mask_token_id")
     if not _is_int(mask):
-        out.add(
-            engine,
-            where,
+        bad(
             f"mask_token_id={mask!r}: the engine needs the target row used as MASK (an "
             "integer; a learned MASK vector has no row) [vllm-mask, sglang-config]",
         )
     elif _is_int(c.get("vocab_size")) and not 0 <= mask < c["vocab_size"]:
-        out.add(
-            engine,
-            where,
+        bad(
             f"mask_token_id={mask} outside the vocabulary [0, {c['vocab_size']}) [sglang-config]",
         )
     ids = _first(c, "target_layer_ids", "dflash_config")
     n_target = _first(c, "num_target_layers", "dflash_config")
     if engine == "sglang" and n_target is None:
         n_target = c.get("num_hidden_layers")
-        out.add(
-            engine,
-            where,
+        bad(
             "num_target_layers is missing: SGLang then bounds target_layer_ids by the "
             "draft's own num_hidden_layers [sglang-config]",
         )
     if not (isinstance(ids, list) and ids and all(_is_int(i) for i in ids)):
-        out.add(engine, where, f"target_layer_ids={ids!r}, expected a non-empty list of layer indices")
+        bad(f"target_layer_ids={ids!r}, expected a non-empty list of layer indices")
         shape_ok = False
     elif any(b <= a for a, b in itertools.pairwise(ids)) or (
         _is_int(n_target) and not 0 <= ids[0] <= ids[-1] < n_target
     ):
-        out.add(
-            engine,
-            where,
+        bad(
             f"target_layer_ids={ids} must increase within [0, num_target_layers={n_target}) "
             "(vLLM captures after layer i + 1) [vllm-layers, sglang-config]",
         )
     rank = c.get("markov_rank")
     if not (_is_int(rank) and rank > 0):
-        out.add(
-            engine,
-            where,
+        bad(
             f"markov_rank={rank!r}: a positive integer at the top level is required "
             "[vllm-weights, sglang-config]",
         )
         shape_ok = False
     if c.get("markov_head_type") not in MARKOV_HEAD_TYPES:
-        out.add(
-            engine,
-            where,
+        bad(
             f"markov_head_type={c.get('markov_head_type')!r}, expected one of "
             f"{MARKOV_HEAD_TYPES} [sglang-config, trtllm]",
         )
     if c.get("hidden_act", "silu") != "silu":
-        out.add(
-            engine,
-            where,
+        bad(
             f"hidden_act={c.get('hidden_act')!r}: the engines' draft MLP is silu [sglang-model]",
         )
     causal = (c.get("dflash_config") or {}).get("causal") or c.get("is_causal")
     sliding = [i for i, t in enumerate(c.get("layer_types") or []) if t == "sliding_attention"]
     if causal or sliding:
-        out.add(
-            engine,
-            where,
+        bad(
             f"causal attention ({'causal set' if causal else f'sliding layers {sliding}'}): the "
             "draft was trained with bidirectional attention inside its block [vllm-causal]",
         )
@@ -302,15 +284,11 @@ def _check_draft_keys(c: Mapping[str, Any], engine: str, out: _Problems) -> bool
         and (c.get("dflash_config") or {}).get("use_aux_hidden_state", c.get("use_aux_hidden_state", True))
         is False
     ):
-        out.add(
-            engine,
-            where,
+        bad(
             "use_aux_hidden_state=false: vLLM then builds no fc for the target's layers [vllm-weights]",
         )
     if engine == "sglang" and not isinstance(c.get("enable_confidence_head"), bool):
-        out.add(
-            engine,
-            where,
+        bad(
             "enable_confidence_head is missing: SGLang then assumes a confidence head [sglang-config]",
         )
     return shape_ok

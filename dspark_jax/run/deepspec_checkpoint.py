@@ -98,11 +98,12 @@ def _left_out(config, cfg, shapes: dict[layout.ParamPath, tuple[int, ...]], base
     extra = sorted({str(p[0]) + (".*" if len(p) > 1 else "") for p in shapes if p not in named})
     if not extra:
         return []
+    gap = groups.get(config.experiment).serving_gap or "code for them (the group names no serving_gap)"
     if not baseline_part:
         raise ValueError(
             f"experiment group {config.experiment!r}: parameters {', '.join(extra)} run in no serving "
             "engine: vLLM (Qwen3DSparkForCausalLM), SGLang (Qwen3DSparkModel) and TensorRT-LLM (DSpark) "
-            f"would need {groups.get(config.experiment).serving_gap}; pass --baseline_part to export the "
+            f"would need {gap}; pass --baseline_part to export the "
             "baseline DSpark draft inside it alone (recorded in config.json)"
         )
     log.warning("exporting the baseline part of %s alone: %s left out", config.experiment, ", ".join(extra))

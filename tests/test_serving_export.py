@@ -333,3 +333,16 @@ def test_the_baseline_part_of_a_group_exports_when_asked_and_says_so(served, mes
     assert engines.check_directory(tmp / "memory_out", ("vllm", "sglang")) == []
     assert not (tmp / "memory_out" / engines.TRTLLM_FILE).exists()  # not asked for
     assert not any(k.startswith("memory") for k in load_file(tmp / "memory_out" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("group", [g for g in GROUP_CONFIGS if g != "memory"])
+def test_every_groups_baseline_part_exports_and_loads(group, served, mesh8):
+    """In process (the memory group goes through the command above): the baseline DSpark tensors of the
+    group's draft, the group's own parameters left out and named in config.json."""
+    tmp = served[0]
+    config = GROUP_CONFIGS[group].get_config("smoke")
+    _save_run(config, tmp / f"{group}_run", mesh8, np.random.default_rng(4))
+    out = export_draft(config, tmp / f"{group}_run", tmp / f"{group}_out", baseline_part=True)
+    record = json.loads((out / "config.json").read_text())["dspark_jax"]
+    assert record["experiment"] == group and record["baseline_part_only"] and record["left_out"]
+    assert engines.check_directory(out) == []

@@ -346,3 +346,13 @@ def test_every_groups_baseline_part_exports_and_loads(group, served, mesh8):
     record = json.loads((out / "config.json").read_text())["dspark_jax"]
     assert record["experiment"] == group and record["baseline_part_only"] and record["left_out"]
     assert engines.check_directory(out) == []
+
+
+def test_the_draft_length_schedule_maximises_expected_throughput_by_hand():
+    """Verification is free up to 8 tokens, then halves by 16 and drops to 10/s by 64; acceptance falls
+    fast. Batch 2: k = 3 fills 8 tokens at 100/s (2 x 1.85 x 100 = 370) and k = 4 already pays (2 x 1.9 x
+    87.5 = 332.5); batch 8: k = 0 (8 x 100 = 800) beats k = 1 (8 x 1.5 x 50 = 600); batch 1 maps to the
+    full block, as TensorRT-LLM requires of the smallest batch size."""
+    survival = [0.5, 0.25, 0.1, 0.05, 0.02, 0.01, 0.005]
+    sps = {"sample_batch_tokens": [1, 8, 16, 64], "sample_steps_per_sec": [100.0, 100.0, 50.0, 10.0]}
+    assert engines.draft_len_schedule(survival, sps, [8, 1, 2], S) == {1: S, 2: 3, 8: 0}

@@ -69,6 +69,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from dspark_jax.interop import deepspec_layout as layout
@@ -132,13 +133,7 @@ def draft_len_schedule(
     `b (1 + sum_{j<=k} a_j) SPS(b (k + 1))`, `SPS` interpolated in batch tokens. TensorRT-LLM requires the
     smallest batch size to map to `block_size` [trtllm]; it does (whatever the table says)."""
     xs, ys = sps["sample_batch_tokens"], sps["sample_steps_per_sec"]
-
-    def throughput(b: int, k: int) -> float:
-        n = min(max(b * (k + 1), xs[0]), xs[-1])
-        i = max(j for j, x in enumerate(xs) if x <= n)
-        rate = ys[i] if i + 1 == len(xs) else ys[i] + (ys[i + 1] - ys[i]) * (n - xs[i]) / (xs[i + 1] - xs[i])
-        return b * (1 + sum(survival[:k])) * rate
-
+    throughput = lambda b, k: b * (1 + sum(survival[:k])) * float(np.interp(b * (k + 1), xs, ys))
     sizes = sorted({int(b) for b in batch_sizes})
     best = {b: max(range(block_size + 1), key=lambda k, b=b: (throughput(b, k), k)) for b in sizes}
     return {b: block_size if b == sizes[0] else best[b] for b in sizes}

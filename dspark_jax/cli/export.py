@@ -46,7 +46,7 @@ _BASELINE_PART = flags.DEFINE_bool(
 def main(argv):
     del argv
     try:
-        for_engines = engines.parse_engines(flags.FLAGS["for"].value)
+        for_engines = engines.parse_engines(_FOR.value)
     except ValueError as e:
         check_flags(**{"for": (False, f"is wrong: {e}")})
     if _CHECK.value:

@@ -362,7 +362,7 @@ def test_import_cli_refuses_a_mismatched_mask_and_a_used_workdir(exported):
     proc, errors = _cli(tmp, "import_draft", f"--input={directory}", smoke, f"--workdir={tmp / 'fresh'}")
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
     assert (
-        "mask_token_id=3, expected -1 (draft.mask_token_id; pass --config.draft.mask_token_id=3)" in errors[0]
+        "mask_token_id=3, expected 16 (draft.mask_token_id; pass --config.draft.mask_token_id=3)" in errors[0]
     )
     assert not (tmp / "fresh").exists()
     proc, errors = _cli(tmp, "import_draft", f"--input={directory}", *SMOKE_ARGS, f"--workdir={imported}")

@@ -84,10 +84,10 @@ def _placed(abstract: nnx.State, values: dict[layout.ParamPath, np.ndarray]) -> 
     return nnx.from_flat_state([one(path, variable) for path, variable in nnx.to_flat_state(abstract)])
 
 
-def _left_out(config, cfg, shapes: dict[layout.ParamPath, tuple[int, ...]], baseline_part: bool) -> list[str]:
-    """The group's own parameters (no engine has them), grouped by module; refuses them unless
-    `baseline_part`. A learned MASK vector is refused either way (it is the baseline's MASK)."""
-    named = {t.path for t in layout.tensor_layout(cfg).values()}
+def _left_out(config, cfg, shapes: dict[layout.ParamPath, tuple[int, ...]], named, baseline_part: bool):
+    """The group's own parameters (not in `named`, the DeepSpec layout's paths: no engine has them),
+    grouped by module; refuses them unless `baseline_part`. A learned MASK vector is refused either way
+    (it is the baseline's MASK)."""
     if ("mask_embedding",) in shapes:  # refused whatever the group: names the learned MASK and the fix
         layout.check_exportable(
             {p: x for p, x in shapes.items() if p in named or p == ("mask_embedding",)},
@@ -184,7 +184,9 @@ def export_draft(
     target = target_shape(config)
     cfg = draft_state.draft_config(config, target)
     _, abstract, _ = draft_state.abstract_draft(config, target)
-    left_out = _left_out(config, cfg, {p: x.shape for p, x in _flat(abstract).items()}, baseline_part)
+    named = {t.path for t in layout.tensor_layout(cfg).values()}
+    shapes = {p: x.shape for p, x in _flat(abstract).items()}
+    left_out = _left_out(config, cfg, shapes, named, baseline_part)
     if sts_mode not in calibration.MODES:
         raise ValueError(f"STS mode must be one of {calibration.MODES}, got {sts_mode!r}")
     aux_ids = config.data.aux_layer_ids
@@ -197,7 +199,7 @@ def export_draft(
         )
     mesh = sharding.make_mesh(config.mesh.to_dict())
     hf_config, tensors = target_tensors(config, mesh)
-    step = checkpoints.checkpoint_step(checkpoint)
+    _, params, _, step = draft_state.restore_draft(config, target, mesh, checkpoint)
     config_json = layout.deepspec_config(
         hf_config,
         cfg,
@@ -213,8 +215,6 @@ def export_draft(
             "left_out": left_out,
         }
     }
-    _, params, _, step = draft_state.restore_draft(config, target, mesh, checkpoint)
-    named = {t.path for t in layout.tensor_layout(cfg).values()}
     host = {path: np.asarray(jax.device_get(x)) for path, x in _flat(params).items() if path in named}
     tensors |= layout.to_deepspec(host, cfg, config.experiment)
     directory = layout.write_directory(output, config_json, tensors)

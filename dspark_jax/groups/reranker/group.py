@@ -158,9 +158,8 @@ def _register(name: str, label: str, **kwargs) -> Experiment:
             shape_keys=("draft.rerank_width", "draft.rerank_heads", "draft.rerank_ffn"),
             sharding_rules=(("rerank", None),),
             serving_gap="a reranking pass over each slot's top-k candidates conditioned on the drafted "
-            "prefix, "
-            "after the Markov correction (the engines choose each slot's token from the Markov-corrected "
-            "logits alone)",
+            "prefix, after the Markov correction (the engines choose each slot's token from the "
+            "Markov-corrected logits alone)",
             **kwargs,
         )
     )

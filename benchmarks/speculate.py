@@ -1,10 +1,11 @@
 """Speculative decoding cycle latency (draft / selection / verify) and tokens/s vs target-only decoding.
 
   python benchmarks/speculate.py [--checkpoint=WORKDIR | --config=configs/baseline.py] [--prompts=16] \
-      [--concurrency=1] [--max_new_tokens=64] [--select_top_k=0,64]
+      [--concurrency=1] [--max_new_tokens=64] [--select_top_k=0,64] [--draft_len=0,1,2,3]
 
 One row per selection rule (`--select_top_k`: 0 = the Markov correction over the whole vocabulary, K =
-over each slot's K best base logits): cycle phases, break-even MAL (cycle time / target-only decode
+over each slot's K best base logits) and proposals per cycle (`--draft_len`: the block's first L, 0 = all):
+cycle phases, break-even MAL (cycle time / target-only decode
 step), MAL, tokens/s, speedup, and how many outputs equal target-only decoding's.
 
 Runs on the demo target (SmolLM2). With `--checkpoint` the run's stored config picks the
@@ -16,6 +17,7 @@ speedups are only meaningful with a trained draft (`python -m dspark_jax.train`)
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -74,6 +76,9 @@ def main():
         default="0,64",
         help="selection candidates per slot to compare (0 = full vocabulary)",
     )
+    parser.add_argument(
+        "--draft_len", default="0", help="proposals per cycle to compare (the block's first L; 0 = all)"
+    )
     args = parser.parse_args()
     if args.checkpoint:
         config = checkpoints.run_config(args.checkpoint)
@@ -93,9 +98,16 @@ def main():
     sampling = SamplingParams(temperature=args.temperature)
     plain = None
     rows = []
-    for top_k in (int(k) for k in args.select_top_k.split(",")):
+    lengths = [int(n) for n in args.draft_len.split(",")]
+    for top_k, length in itertools.product((int(k) for k in args.select_top_k.split(",")), lengths):
         decoder = decoding.speculative_decoder(
-            config, target, draft, batch_size=args.concurrency, mesh=mesh, select_top_k=top_k
+            config,
+            target,
+            draft,
+            batch_size=args.concurrency,
+            mesh=mesh,
+            select_top_k=top_k,
+            draft_len=length,
         )
         if plain is None:
             plain = decoder.target_only()
@@ -108,7 +120,7 @@ def main():
         outputs = decoder.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
         spec = decoder.report.as_dict()
         phases = time_cycle_phases(decoder, prompts, max_new_tokens=args.max_new_tokens, params=sampling)
-        rows.append((top_k, phases, spec, sum(a == b for a, b in zip(outputs, reference))))
+        rows.append((top_k, decoder.draft_len, phases, spec, sum(a == b for a, b in zip(outputs, reference))))
     draft_kind = f"trained ({args.checkpoint})" if args.checkpoint else "random init"
     decode_ms = 1e3 * args.concurrency / base["tokens_per_second"]
     print(
@@ -116,26 +128,29 @@ def main():
         f"max_new {args.max_new_tokens}, temperature {args.temperature}"
     )
     print(f"target-only: {base['tokens_per_second']:.1f} tokens/s, {decode_ms:.1f} ms per decode step")
-    one, block = (target_forward_ms(target, args.concurrency, 256, n) for n in (1, decoder.block_size + 1))
+    widths = sorted({1} | {n + 1 for _, n, *_ in rows})
+    forward = {n: target_forward_ms(target, args.concurrency, 256, n) for n in widths}
     print(
-        f"target forward with logits on 256 cached tokens: 1 token {one:.1f} ms, {decoder.block_size + 1} "
-        f"tokens {block:.1f} ms = {block / one:.2f} decode steps"
+        "target forward with logits on 256 cached tokens: "
+        + ", ".join(f"{n} tokens {ms:.1f} ms ({ms / forward[1]:.2f} steps)" for n, ms in forward.items())
     )
     print(
         "cycle = draft + select + verify, each its own program; loop = the decode loop's time per iteration, "
         "prefill taken out; floor = verify forward + draft forward + one LM-head pass (ms)"
     )
     print(
-        f"{'selection':>11s} {'draft':>6s} {'select':>7s} {'verify':>7s} {'cycle':>6s} {'loop':>6s} "
+        f"{'selection':>11s} {'L':>2s} {'draft':>6s} {'select':>7s} {'verify':>7s} {'cycle':>6s} "
+        f"{'loop':>6s} "
         f"{'verify fwd':>10s} {'LM head':>8s} {'floor':>6s} {'loop/floor':>10s} {'break-even MAL':>14s} "
         f"{'MAL':>5s} {'tokens/s':>8s} {'speedup':>7s} {'= target-only':>13s}"
     )
-    for top_k, phases, spec, same in rows:
+    for top_k, length, phases, spec, same in rows:
         name = "full vocab" if top_k == 0 else f"top-{top_k}"
         batches = len(spec["per_batch"]["seconds"])
         loop_ms = (1e3 * spec["seconds"] - batches * phases["prefill_ms"]) / max(spec["loop_iterations"], 1)
         print(
-            f"{name:>11s} {phases['draft_ms']:6.1f} {phases['select_ms']:7.1f} {phases['verify_ms']:7.1f} "
+            f"{name:>11s} {length:2d} {phases['draft_ms']:6.1f} {phases['select_ms']:7.1f} "
+            f"{phases['verify_ms']:7.1f} "
             f"{phases['cycle_ms']:6.1f} {loop_ms:6.1f} {phases['verify_forward_ms']:10.1f} "
             f"{phases['lm_head_ms']:8.1f} {phases['floor_ms']:6.1f} {loop_ms / phases['floor_ms']:10.2f} "
             f"{loop_ms / decode_ms:14.2f} {spec['mal_pooled']:5.2f} {spec['tokens_per_second']:8.1f} "

@@ -34,6 +34,9 @@ Keys:
   generate.select_top_k     speculative decoding: each draft token is chosen among its slot's K best base
                             logits, the Markov correction computed for those K only (0 = the whole
                             vocabulary, as in training; lossless either way).
+  generate.draft_len        speculative decoding: proposals drafted and verified at most per cycle, the
+                            block's first L slots (0 = all `draft.block_size`); shorter pays where a
+                            verification forward's cost grows fast with its width (a CPU).
   data.cache_dir            root of the caches and regenerated replies; '' = $DSPARK_JAX_CACHE or
                             ~/.cache/dspark_jax, then `<preset>/<target fingerprint>` below it.
   data.train_cache          an existing cache to train on (dspark_jax or DeepSpec v2 format, local or
@@ -236,6 +239,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.generate.top_p = 1.0
     c.generate.padding = "left"
     c.generate.select_top_k = 0
+    c.generate.draft_len = 0
 
     c.data = config_dict.ConfigDict()
     c.data.cache_dir = ""

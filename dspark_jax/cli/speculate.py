@@ -3,7 +3,7 @@
   python -m dspark_jax.speculate --checkpoint=DIR [--config=configs/baseline.py[:preset]] \
       [--input=IN.jsonl] [--output=OUT.json] [--temperature=T] [--top_p=P] [--concurrency=C] \
       [--max_new_tokens=N] [--limit=N] [--seed=S] [--select_top_k=K] [--offline] \
-      [--schedule=fixed|confidence] [--<a group's own flag>=VALUE]
+      [--schedule=fixed|confidence] [--draft_len=L] [--<a group's own flag>=VALUE]
 
 `--checkpoint` takes a training work directory (its latest checkpoint) or one checkpoint's
 directory; the run's stored config is used unless `--config` is given (it must agree with the
@@ -18,7 +18,8 @@ only its checkpoints take.
 `--schedule=confidence` lets the hardware-aware prefix scheduler choose how many proposals each request
 verifies per cycle, from the confidence head calibrated by `python -m dspark_jax.calibrate` (required
 first) and a verification throughput table profiled at start (reported as `sps_table`); `fixed`
-verifies all of them.
+verifies all of them. `--draft_len=L` drafts only the block's first `L` proposals per cycle (a shorter
+verification forward, for hardware where its cost grows fast with its width).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ _SELECT_TOP_K = flags.DEFINE_integer(
     None,
     "Draft tokens chosen among each slot's K best base logits (0 = all); default: config.",
 )
+_DRAFT_LEN = flags.DEFINE_integer(
+    "draft_len", None, "Proposals drafted per cycle, the block's first L (0 = all); default: config."
+)
 
 
 def main(argv):
@@ -82,6 +86,13 @@ def main(argv):
         ),
     )
     config = checkpoint_config(_CONFIG, _CHECKPOINT.value)
+    block = config.draft.block_size
+    check_flags(
+        draft_len=(
+            _DRAFT_LEN.value is None or 0 <= _DRAFT_LEN.value <= block,
+            f"must be in 0..{block} (the draft's block_size; 0 = all), got {_DRAFT_LEN.value}",
+        )
+    )
     for flag, (option, owners, value) in _GROUP_OPTIONS.items():
         if value.value is None:
             continue
@@ -104,6 +115,7 @@ def main(argv):
         concurrency=_CONCURRENCY.value,
         select_top_k=_SELECT_TOP_K.value,
         schedule=_SCHEDULE.value,
+        draft_len=_DRAFT_LEN.value,
     )
     mesh = sharding.make_mesh(config.mesh.to_dict())
     if settings.schedule == "confidence":  # before the target loads: a missing calibration fails fast

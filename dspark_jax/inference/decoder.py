@@ -124,7 +124,10 @@ class SpeculativeDecoder(BatchedDecoding):
         and cycle (`inference.scheduler`), from the confidence head calibrated by `temperatures`.
       temperatures: STS temperatures per calibration mode (`calibration.MODES`), e.g. from
         `calibration.load_temperatures`; None = the raw head (T = 1).
-      verify_buckets: the scheduler's verification widths (`scheduler.check_buckets`).
+      verify_buckets: the scheduler's verification widths (`scheduler.check_buckets`, up to
+        `draft_len + 1`); None = `scheduler.default_buckets`.
+      draft_len: proposals drafted and verified at most per cycle, the block's first slots (0 = all of
+        them, `block_size`).
     """
 
     def __init__(
@@ -144,7 +147,8 @@ class SpeculativeDecoder(BatchedDecoding):
         select_top_k: int = 0,
         schedule: str = "fixed",
         temperatures: dict[str, tuple[float, ...]] | None = None,
-        verify_buckets: Sequence[int] = scheduler.DEFAULT_BUCKETS,
+        verify_buckets: Sequence[int] | None = None,
+        draft_len: int = 0,
     ):
         super().__init__(pad_id=pad_id, batch_size=batch_size, padding="right", mesh=mesh)
         if select_top_k < 0:
@@ -162,6 +166,10 @@ class SpeculativeDecoder(BatchedDecoding):
             raise ValueError("at least one EOS id is needed to stop decoding")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if not 0 <= draft_len <= draft_cfg.block_size:
+            raise ValueError(
+                f"draft_len must be in 0..{draft_cfg.block_size} (0 = the whole block), got {draft_len}"
+            )
         for mode, values in (temperatures or {}).items():
             if mode not in calibration.MODES or len(values) != draft_cfg.block_size:
                 raise ValueError(
@@ -179,7 +187,11 @@ class SpeculativeDecoder(BatchedDecoding):
         self.select_top_k = select_top_k
         self.schedule = schedule
         self.temperatures = dict(temperatures or {})
-        self.verify_buckets = scheduler.check_buckets(verify_buckets, self.block_size)
+        self.draft_len = draft_len or self.block_size
+        self.verify_buckets = scheduler.check_buckets(
+            scheduler.default_buckets(self.draft_len) if verify_buckets is None else verify_buckets,
+            self.draft_len,
+        )
         self.sps_table: scheduler.SpsTable | None = None  # profiled on the first confidence-scheduled batch
         self._sps_N = None  # (table, its dense device array)
         self.report = SpecReport()
@@ -257,6 +269,7 @@ class SpeculativeDecoder(BatchedDecoding):
             self.select_top_k,
             self.temperatures.get(calibration.mode_of(params.temperature)),
             self.verify_buckets if self.schedule == "confidence" else None,
+            self.draft_len if self.draft_len < self.block_size else 0,
         )
 
     def sps(self, max_len: int) -> jax.Array:

@@ -9,8 +9,10 @@ known but not yet fed to the target. One cycle:
    given the previous choice (greedy, or sampled with temperature / top-p); with
    `select_top_k = K` the correction is computed for the K best base logits of each slot only
    (the choice is then among those K: still lossless, the target decides what is emitted);
-3. schedule: how many proposals `l` each row verifies: all 7 (`fixed`), or the prefix scheduler's choice
-   from the calibrated confidences (`confidence`, `dspark_jax.inference.scheduler`);
+   `draft_len = L` selects the first `L` slots only: a shorter block, for hardware where a verification
+   forward's cost grows fast with its width (e.g. a CPU);
+3. schedule: how many proposals `l` each row verifies: all of them (`fixed`), or the prefix scheduler's
+   choice from the calibrated confidences (`confidence`, `dspark_jax.inference.scheduler`);
 4. verify: the target runs `[x[p], d_1..d_l]` in one forward with its KV cache (a padded bucket width
    under the scheduler);
 5. accept: exact match (greedy) or lossless rejection sampling over the `l` verified proposals; `m`
@@ -55,6 +57,7 @@ class SpecSettings:
     select_top_k: int = 0  # selection among each slot's top-K base logits; 0 = the whole vocabulary
     confidence_temperatures: tuple[float, ...] | None = None  # STS temperature per proposal; None = 1
     verify_buckets: tuple[int, ...] | None = None  # the confidence schedule's verify widths; None = fixed
+    draft_len: int = 0  # proposals drafted per cycle, the block's first `draft_len` slots; 0 = all `S`
 
 
 class SpecState(NamedTuple):
@@ -159,8 +162,11 @@ def markov_select(
     With `settings.select_top_k = K` each slot's candidates are its K best base logits and the Markov
     correction reads only their K columns of `W2` (the full `[R, V]` matrix is otherwise read once per
     slot); the proposals' logits are `-inf` outside the candidates, so sampled acceptance uses the
-    distribution the token was actually drawn from.
+    distribution the token was actually drawn from. With `settings.draft_len = L` only the first `L` slots
+    are selected (`Proposals` of `L` columns).
     """
+    if settings.draft_len:
+        h_BxSxH = h_BxSxH[:, : settings.draft_len]
     token_B = state.pending_B
     base_BxSxV = draft.base_logits(frozen, h_BxSxH)  # one pass over the LM head for the whole block
     vocab = base_BxSxV.shape[-1]
@@ -283,7 +289,8 @@ def confidence(proposals: Proposals, settings: SpecSettings) -> jax.Array:
     """Predicted acceptance `c_i = sigmoid(z_i / T_i)` of each proposal, f32 `[B, S]` (STS temperatures)."""
     logits_BxS = proposals.confidence_logit_BxS.astype(jnp.float32)
     if settings.confidence_temperatures is not None:
-        logits_BxS = logits_BxS / jnp.asarray(settings.confidence_temperatures, jnp.float32)
+        temperatures_S = jnp.asarray(settings.confidence_temperatures, jnp.float32)
+        logits_BxS = logits_BxS / temperatures_S[: logits_BxS.shape[1]]  # the first `draft_len` proposals
     return jax.nn.sigmoid(logits_BxS)
 
 
@@ -319,7 +326,8 @@ def verify_and_accept(
 ) -> tuple[SpecState, jax.Array]:
     """Scheduling, target verification of the proposals, acceptance, emission and cache roll-back.
 
-    Returns the next state and the number of accepted proposals per row.
+    Returns the next state and the number of accepted proposals per row. The proposals may be fewer than
+    the block's slots (`SpecSettings.draft_len`); the per-position statistics keep the block's length.
     """
     drafts_BxS, draft_logits, _ = proposals
     p_B = state.target_cache.end_B
@@ -360,13 +368,16 @@ def verify_and_accept(
     draft_k, draft_v = append_context(draft, state.draft_k, state.draft_v, aux_BxS1xAxH, p_B)
     verified_BxS = jnp.arange(s) < lengths_B[:, None]
     reached_BxS = active_B[:, None] & (jnp.arange(s) <= m_B[:, None]) & verified_BxS
+    to_block = lambda x_S: jnp.pad(x_S, (0, state.stats["reached_S"].shape[0] - s))
     stats = {
         "cycles_B": state.stats["cycles_B"] + active_B,
         "accepted_len_B": state.stats["accepted_len_B"] + jnp.where(active_B, m_B + 1, 0),
         "accepted_hist": state.stats["accepted_hist"].at[m_B + 1].add(active_B.astype(jnp.int32)),
-        "reached_S": state.stats["reached_S"] + jnp.sum(reached_BxS, 0),
-        "accepted_S": state.stats["accepted_S"] + jnp.sum(reached_BxS & (jnp.arange(s) < m_B[:, None]), 0),
-        "confidence_S": state.stats["confidence_S"] + jnp.sum(jnp.where(reached_BxS, confidence_BxS, 0.0), 0),
+        "reached_S": state.stats["reached_S"] + to_block(jnp.sum(reached_BxS, 0)),
+        "accepted_S": state.stats["accepted_S"]
+        + to_block(jnp.sum(reached_BxS & (jnp.arange(s) < m_B[:, None]), 0)),
+        "confidence_S": state.stats["confidence_S"]
+        + to_block(jnp.sum(jnp.where(reached_BxS, confidence_BxS, 0.0), 0)),
         "verified_B": state.stats["verified_B"] + jnp.where(active_B, lengths_B, 0),
         "verify_width": state.stats["verify_width"] + width,
     }

@@ -35,13 +35,19 @@ from dspark_jax.target.model import DecodeCache, Transformer
 DEFAULT_BUCKETS = (1, 2, 4, 8)
 
 
-def check_buckets(buckets: Sequence[int], block_size: int) -> tuple[int, ...]:
-    """Verification widths: increasing, from 1, the last one `block_size + 1` (every proposal verified)."""
+def default_buckets(proposals: int) -> tuple[int, ...]:
+    """`DEFAULT_BUCKETS` below `proposals + 1`, then `proposals + 1` (every proposal verified)."""
+    return (*(w for w in DEFAULT_BUCKETS if w <= proposals), proposals + 1)
+
+
+def check_buckets(buckets: Sequence[int], proposals: int) -> tuple[int, ...]:
+    """Verification widths: increasing, from 1, the last one `proposals + 1` (every proposal verified)."""
     buckets = tuple(int(w) for w in buckets)
     increasing = list(buckets) == sorted(set(buckets))
-    if not buckets or buckets[0] != 1 or buckets[-1] != block_size + 1 or not increasing:
+    if not buckets or buckets[0] != 1 or buckets[-1] != proposals + 1 or not increasing:
         raise ValueError(
-            f"verify buckets must increase from 1 to block_size + 1 = {block_size + 1}, got {list(buckets)}"
+            f"verify buckets must increase from 1 to the proposals per cycle + 1 = {proposals + 1}, "
+            f"got {list(buckets)}"
         )
     return buckets
 

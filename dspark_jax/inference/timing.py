@@ -118,11 +118,11 @@ def time_cycle_phases(
     inside the decode loop (demo target, concurrency 1), so there `SpecReport.loop_ms_per_cycle` is the
     figure to read.
 
-    The cycle's floor, on the same states: `verify_forward` (the target's forward of the block's `S + 1`
-    tokens on its cache, with their logits and aux states: nothing else of verification), `draft_forward`
-    (the proposer's draft pass, `draft`) and `lm_head` (one pass of the block's `S` draft states over the
-    frozen LM head); `floor_ms` is their sum, `prefill_ms` the prompt's prefill (to take out of a decode
-    loop's time per iteration).
+    The cycle's floor, on the same states: `verify_forward` (the target's forward of the `L + 1` tokens of
+    a cycle's `L = decoder.draft_len` proposals on its cache, with their logits and aux states: nothing
+    else of verification), `draft_forward` (the proposer's draft pass, `draft`) and `lm_head` (one pass of
+    the `L` selected slots' draft states over the frozen LM head); `floor_ms` is their sum, `prefill_ms`
+    the prompt's prefill (to take out of a decode loop's time per iteration).
     """
     settings = dataclasses.replace(decoder.settings(max_new_tokens + 8 * cycles, params), eos_ids=(-1,))
     batch = next(decoder.batches(prompts[: decoder.batch_size]))
@@ -142,7 +142,7 @@ def time_cycle_phases(
     for _ in range(2):  # the first call compiles
         prompt = (batch.tokens_BxP, batch.lengths_B, batch.real_B, jax.random.key(0))
         state = timed("prefill", run.prefill, ts, dp, dr, *prompt)
-    h_BxSxH = jnp.zeros((batch.tokens_BxP.shape[0], decoder.block_size, decoder.cfg.hidden_size))
+    h_BxSxH = jnp.zeros((batch.tokens_BxP.shape[0], decoder.draft_len, decoder.cfg.hidden_size))
     for _ in range(cycles + 1):  # the first cycle compiles
         draft_out = timed("draft", run.draft_pass, dp, dr, frozen, state)
         proposals = timed("select", run.select, dp, dr, frozen, state, draft_out)

@@ -25,12 +25,15 @@ def speculative_decoder(
     select_top_k: int | None = None,
     schedule: str = "fixed",
     temperatures: dict[str, tuple[float, ...]] | None = None,
+    draft_len: int | None = None,
 ) -> SpeculativeDecoder:
     """The experiment's speculative decoder for a loaded target and a draft `(graphdef, params, rest)`;
-    `select_top_k` defaults to the config's `generate.select_top_k`; `schedule` and `temperatures` as in
-    `SpeculativeDecoder`."""
-    if select_top_k is None:
-        select_top_k = config.generate.get("select_top_k", 0)  # absent from configs stored before it
+    `select_top_k` and `draft_len` default to the config's `generate` section; `schedule` and
+    `temperatures` as in `SpeculativeDecoder`."""
+    if select_top_k is None:  # `get`: absent from configs stored before it
+        select_top_k = config.generate.get("select_top_k", 0)
+    if draft_len is None:
+        draft_len = config.generate.get("draft_len", 0)
     side = target_side.side_from_target(target, mesh)
     side = target_side.with_side_inputs(config, side)
     return SpeculativeDecoder(
@@ -46,4 +49,5 @@ def speculative_decoder(
         select_top_k=select_top_k,
         schedule=schedule,
         temperatures=temperatures,
+        draft_len=draft_len,
     )

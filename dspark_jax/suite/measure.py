@@ -124,8 +124,8 @@ def profile_serving_sps(
 class DecodeSettings:
     """One decoding setting, shared by the speculative run and its target-only baseline.
 
-    `select_top_k` None = the config's `generate.select_top_k`; `schedule` 'fixed' or 'confidence' (the
-    latter needs the checkpoint's STS calibration).
+    `select_top_k` / `draft_len` None = the config's `generate` values; `schedule` 'fixed' or
+    'confidence' (the latter needs the checkpoint's STS calibration).
     """
 
     temperature: float = 0.0
@@ -135,6 +135,7 @@ class DecodeSettings:
     concurrency: int = 1
     select_top_k: int | None = None
     schedule: str = "fixed"
+    draft_len: int | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -173,6 +174,7 @@ def speculative_decoder(config, checkpoint, target: Target, mesh: Mesh, s: Decod
         batch_size=s.concurrency,
         mesh=mesh,
         select_top_k=s.select_top_k,
+        draft_len=s.draft_len,
         schedule=s.schedule,
         temperatures=temperatures,
     )
@@ -206,7 +208,8 @@ def speculate(
             "experiment": config.experiment,
             **dataclasses.asdict(s),
             "select_top_k": decoder.select_top_k,
-            "proposals_per_cycle": decoder.block_size,
+            "draft_len": decoder.draft_len,
+            "proposals_per_cycle": decoder.draft_len,
             **{
                 option.flag: config_lib.get_key(config, option.key)
                 for option in groups.get(config.experiment).decode_options

@@ -82,8 +82,14 @@ def test_random_cases_equal_the_reference(b):
 def test_buckets():
     assert scheduler.check_buckets([1, 2, 4, 8], S) == (1, 2, 4, 8)
     for bad in ([2, 4, 8], [1, 2, 4], [1, 4, 2, 8], []):
-        with pytest.raises(ValueError, match="increase from 1 to block_size"):
+        with pytest.raises(ValueError, match=r"increase from 1 to the proposals per cycle \+ 1 = 8"):
             scheduler.check_buckets(bad, S)
+    # A shorter block (`draft_len`): the defaults below its width, then the width itself.
+    assert scheduler.default_buckets(7) == scheduler.DEFAULT_BUCKETS == (1, 2, 4, 8)
+    assert scheduler.default_buckets(3) == (1, 2, 4)
+    assert scheduler.default_buckets(2) == (1, 2, 3)
+    assert scheduler.default_buckets(1) == (1, 2)
+    assert scheduler.check_buckets(scheduler.default_buckets(3), 3) == (1, 2, 4)
     index = lambda lengths, active: int(
         scheduler.bucket_index(jnp.asarray(lengths), jnp.asarray(active), (1, 2, 4, 8))
     )

@@ -578,6 +578,48 @@ def test_the_joint_sampling_test_rejects_an_acceptance_rule_biased_at_position_3
     assert p_value < 1e-6, p_value
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    "group, draft_len",
+    _slow_except(
+        [
+            ("baseline", 1),
+            ("baseline", 3),
+            ("memory_with_memory", 2),
+            ("engram_markov", 2),
+            ("reranker_joint", 2),
+        ],
+        [("baseline", 1), ("baseline", 3), ("memory_with_memory", 2)],
+    ),
+    ids=lambda x: str(x),
+)
+def test_a_shorter_block_drafts_and_verifies_only_its_first_proposals_losslessly(
+    parts, mesh1, group, draft_len, schedule
+):
+    """`draft_len = L`: every cycle selects and verifies at most the block's first `L` proposals (a
+    verification of at most `L + 1` tokens), accepted lengths vary up to `L + 1` (all `L` accepted), and
+    the output is still the target's greedy one."""
+    prompts = PROMPTS * 2
+    expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=8, mesh=mesh1).generate(
+        prompts, max_new_tokens=20
+    )
+    group_parts, draft, proposer = _group(parts, mesh1, group)
+    steered = _steered(proposer, prompts, expected)
+    decoder = _decoder(group_parts, mesh1, 8, draft, steered, draft_len=draft_len, **SCHEDULES[schedule])
+    assert decoder.generate(prompts, max_new_tokens=20) == expected
+    report = decoder.report.as_dict()
+    hist = {int(n) for n, c in report["accepted_length_histogram"].items() if c}
+    acceptance = np.asarray(report["acceptance_by_position"])
+    assert max(hist) <= draft_len + 1 and not acceptance[draft_len:].any(), report
+    if schedule == "fixed":
+        assert draft_len + 1 in hist and len(hist) >= min(draft_len + 1, 3), report[
+            "accepted_length_histogram"
+        ]
+        assert report["mean_verified_length"] == draft_len and report["mean_verify_width"] == draft_len + 1
+    else:
+        assert 0 < report["mean_verified_length"] < draft_len and report["mean_verify_width"] <= draft_len + 1
+
+
 def test_bad_inputs(parts, mesh1):
     other = DSparkDraft(DraftConfig(**{**DRAFT.__dict__, "hidden_size": 16}), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="hidden_size: draft 16, target 32"):
@@ -585,6 +627,8 @@ def test_bad_inputs(parts, mesh1):
     other = DSparkDraft(DraftConfig(**{**DRAFT.__dict__, "vocab_size": 50}), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="vocab_size: draft 50, target 48"):
         _decoder(parts, mesh1, 1, draft=other)
+    with pytest.raises(ValueError, match=r"draft_len must be in 0..7 \(0 = the whole block\), got 8"):
+        _decoder(parts, mesh1, 1, draft_len=8)
     decoder = _decoder(parts, mesh1, 1)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         decoder.generate([[1], []], max_new_tokens=4)

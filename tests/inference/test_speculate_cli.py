@@ -68,6 +68,9 @@ def test_speculate_cli_reports_mal_and_matches_target_greedy(tmp_path):
     assert proc.returncode == 2 and "--memory_source applies to checkpoints of" in proc.stderr, proc.stderr[
         -2000:
     ]
+    # --draft_len beyond the draft's block is refused before the target loads.
+    proc = subprocess.run([*cmd, "--draft_len=8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--draft_len must be in 0..7" in proc.stderr, proc.stderr[-2000:]
     # The prefix scheduler needs the STS calibration first; then it decodes losslessly and reports.
     scheduled = [*cmd[:-1], "--schedule=confidence"]  # without --offline
     proc = subprocess.run(scheduled, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -269,7 +269,7 @@ class SpeculativeDecoder(BatchedDecoding):
             self.select_top_k,
             self.temperatures.get(calibration.mode_of(params.temperature)),
             self.verify_buckets if self.schedule == "confidence" else None,
-            self.draft_len if self.draft_len < self.block_size else 0,
+            self.draft_len,
         )
 
     def sps(self, max_len: int) -> jax.Array:

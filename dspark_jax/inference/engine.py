@@ -165,8 +165,7 @@ def markov_select(
     distribution the token was actually drawn from. With `settings.draft_len = L` only the first `L` slots
     are selected (`Proposals` of `L` columns).
     """
-    if settings.draft_len:
-        h_BxSxH = h_BxSxH[:, : settings.draft_len]
+    h_BxSxH = h_BxSxH[:, : settings.draft_len or None]
     token_B = state.pending_B
     base_BxSxV = draft.base_logits(frozen, h_BxSxH)  # one pass over the LM head for the whole block
     vocab = base_BxSxV.shape[-1]

@@ -208,7 +208,6 @@ def speculate(
             "experiment": config.experiment,
             **dataclasses.asdict(s),
             "select_top_k": decoder.select_top_k,
-            "draft_len": decoder.draft_len,
             "proposals_per_cycle": decoder.draft_len,
             **{
                 option.flag: config_lib.get_key(config, option.key)

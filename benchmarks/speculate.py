@@ -1,10 +1,13 @@
 """Speculative decoding cycle latency (draft / selection / verify) and tokens/s vs target-only decoding.
 
   python benchmarks/speculate.py [--checkpoint=WORKDIR | --config=configs/baseline.py] [--prompts=16] \
-      [--concurrency=1] [--max_new_tokens=64] [--select_top_k=0,64] [--draft_len=0,1,2,3]
+      [--concurrency=1] [--max_new_tokens=64] [--select_top_k=0,64] [--draft_len=0,1,2,3] \
+      [--draft_vocab=0,8192]
 
 One row per selection rule (`--select_top_k`: 0 = the Markov correction over the whole vocabulary, K =
-over each slot's K best base logits) and proposals per cycle (`--draft_len`: the block's first L, 0 = all):
+over each slot's K best base logits), proposals per cycle (`--draft_len`: the block's first L, 0 = all) and
+draft vocabulary (`--draft_vocab`: the N tokens the run's training responses use most, 0 = all; needs the
+run's training cache):
 cycle phases, break-even MAL (cycle time / target-only decode
 step), MAL, tokens/s, speedup, and how many outputs equal target-only decoding's.
 
@@ -79,6 +82,9 @@ def main():
     parser.add_argument(
         "--draft_len", default="0", help="proposals per cycle to compare (the block's first L; 0 = all)"
     )
+    parser.add_argument(
+        "--draft_vocab", default="0", help="draft vocabularies to compare (the N most used tokens; 0 = all)"
+    )
     args = parser.parse_args()
     if args.checkpoint:
         config = checkpoints.run_config(args.checkpoint)
@@ -99,7 +105,10 @@ def main():
     plain = None
     rows = []
     lengths = [int(n) for n in args.draft_len.split(",")]
-    for top_k, length in itertools.product((int(k) for k in args.select_top_k.split(",")), lengths):
+    vocabs = [int(n) for n in args.draft_vocab.split(",")]
+    for top_k, length, vocab in itertools.product(
+        (int(k) for k in args.select_top_k.split(",")), lengths, vocabs
+    ):
         decoder = decoding.speculative_decoder(
             config,
             target,
@@ -108,6 +117,7 @@ def main():
             mesh=mesh,
             select_top_k=top_k,
             draft_len=length,
+            draft_vocab=vocab,
         )
         if plain is None:
             plain = decoder.target_only()
@@ -120,7 +130,8 @@ def main():
         outputs = decoder.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
         spec = decoder.report.as_dict()
         phases = time_cycle_phases(decoder, prompts, max_new_tokens=args.max_new_tokens, params=sampling)
-        rows.append((top_k, decoder.draft_len, phases, spec, sum(a == b for a, b in zip(outputs, reference))))
+        same = sum(a == b for a, b in zip(outputs, reference))
+        rows.append((top_k, decoder.draft_len, decoder.draft_vocab_size, phases, spec, same))
     draft_kind = f"trained ({args.checkpoint})" if args.checkpoint else "random init"
     decode_ms = 1e3 * args.concurrency / base["tokens_per_second"]
     print(
@@ -139,18 +150,18 @@ def main():
         "prefill taken out; floor = verify forward + draft forward + one LM-head pass (ms)"
     )
     print(
-        f"{'selection':>11s} {'L':>2s} {'draft':>6s} {'select':>7s} {'verify':>7s} {'cycle':>6s} "
-        f"{'loop':>6s} "
+        f"{'selection':>11s} {'L':>2s} {'vocab':>6s} {'draft':>6s} {'select':>7s} {'verify':>7s} "
+        f"{'cycle':>6s} {'loop':>6s} "
         f"{'verify fwd':>10s} {'LM head':>8s} {'floor':>6s} {'loop/floor':>10s} {'break-even MAL':>14s} "
         f"{'MAL':>5s} {'tokens/s':>8s} {'speedup':>7s} {'= target-only':>13s}"
     )
-    for top_k, length, phases, spec, same in rows:
+    for top_k, length, vocab, phases, spec, same in rows:
         name = "full vocab" if top_k == 0 else f"top-{top_k}"
         batches = len(spec["per_batch"]["seconds"])
         loop_ms = (1e3 * spec["seconds"] - batches * phases["prefill_ms"]) / max(spec["loop_iterations"], 1)
         print(
-            f"{name:>11s} {length:2d} {phases['draft_ms']:6.1f} {phases['select_ms']:7.1f} "
-            f"{phases['verify_ms']:7.1f} "
+            f"{name:>11s} {length:2d} {vocab or 'all':>6} {phases['draft_ms']:6.1f} "
+            f"{phases['select_ms']:7.1f} {phases['verify_ms']:7.1f} "
             f"{phases['cycle_ms']:6.1f} {loop_ms:6.1f} {phases['verify_forward_ms']:10.1f} "
             f"{phases['lm_head_ms']:8.1f} {phases['floor_ms']:6.1f} {loop_ms / phases['floor_ms']:10.2f} "
             f"{loop_ms / decode_ms:14.2f} {spec['mal_pooled']:5.2f} {spec['tokens_per_second']:8.1f} "

@@ -37,6 +37,9 @@ Keys:
   generate.draft_len        speculative decoding: proposals drafted and verified at most per cycle, the
                             block's first L slots (0 = all `draft.block_size`); shorter pays where a
                             verification forward's cost grows fast with its width (a CPU).
+  generate.draft_vocab      speculative decoding: the draft proposes only the N tokens the run's training
+                            responses use most (their N columns of the LM head are all a selection reads;
+                            0 = the whole vocabulary; lossless either way).
   data.cache_dir            root of the caches and regenerated replies; '' = $DSPARK_JAX_CACHE or
                             ~/.cache/dspark_jax, then `<preset>/<target fingerprint>` below it.
   data.train_cache          an existing cache to train on (dspark_jax or DeepSpec v2 format, local or
@@ -240,6 +243,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.generate.padding = "left"
     c.generate.select_top_k = 0
     c.generate.draft_len = 0
+    c.generate.draft_vocab = 0
 
     c.data = config_dict.ConfigDict()
     c.data.cache_dir = ""

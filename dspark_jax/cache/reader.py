@@ -121,6 +121,24 @@ class CacheDataSource:
         """Tokens of every sample, int64[len(self)], from the offsets alone (no array reads)."""
         return np.concatenate([np.diff(offsets) for offsets in self._offsets]).astype(np.int64)
 
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """How often each token id occurs among the response tokens (`loss_mask` 1) of every committed
+        sample, int64[vocab_size]: the text's token frequencies (e.g. a decoding-time draft vocabulary's)."""
+        counts_V = np.zeros(vocab_size, np.int64)
+        for shard, offsets in enumerate(self._offsets):
+            n = int(offsets[-1])
+            if not n:
+                continue
+            ids, mask = (self._open(shard, name)[:n].read() for name in ("input_ids", "loss_mask"))
+            ids = ids.result()[mask.result() != 0]
+            if len(ids) and not 0 <= ids.min() <= ids.max() < vocab_size:
+                raise CacheCorruptError(
+                    f"cache {self.path!r}: shard {shard} holds token ids outside 0..{vocab_size - 1}: the "
+                    "cache is of another tokenizer"
+                )
+            counts_V += np.bincount(ids, minlength=vocab_size)
+        return counts_V
+
     def locate(self, index: int) -> tuple[int, int, int]:
         """(shard, token start, token end) of global sample ``index``."""
         if not 0 <= index < len(self):

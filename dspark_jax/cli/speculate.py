@@ -3,7 +3,7 @@
   python -m dspark_jax.speculate --checkpoint=DIR [--config=configs/baseline.py[:preset]] \
       [--input=IN.jsonl] [--output=OUT.json] [--temperature=T] [--top_p=P] [--concurrency=C] \
       [--max_new_tokens=N] [--limit=N] [--seed=S] [--select_top_k=K] [--offline] \
-      [--schedule=fixed|confidence] [--draft_len=L] [--<a group's own flag>=VALUE]
+      [--schedule=fixed|confidence] [--draft_len=L] [--draft_vocab=N] [--<a group's own flag>=VALUE]
 
 `--checkpoint` takes a training work directory (its latest checkpoint) or one checkpoint's
 directory; the run's stored config is used unless `--config` is given (it must agree with the
@@ -19,7 +19,9 @@ only its checkpoints take.
 verifies per cycle, from the confidence head calibrated by `python -m dspark_jax.calibrate` (required
 first) and a verification throughput table profiled at start (reported as `sps_table`); `fixed`
 verifies all of them. `--draft_len=L` drafts only the block's first `L` proposals per cycle (a shorter
-verification forward, for hardware where its cost grows fast with its width).
+verification forward, for hardware where its cost grows fast with its width). `--draft_vocab=N` lets the
+draft propose only the `N` tokens the run's training responses use most (its cache must be there): each
+selection reads `N` columns of the LM head instead of all of them.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ _SELECT_TOP_K = flags.DEFINE_integer(
 _DRAFT_LEN = flags.DEFINE_integer(
     "draft_len", None, "Proposals drafted per cycle, the block's first L (0 = all); default: config."
 )
+_DRAFT_VOCAB = flags.DEFINE_integer(
+    "draft_vocab",
+    None,
+    "Tokens the draft may propose: the N its training responses use most (0 = all); default: config.",
+)
 
 
 def main(argv):
@@ -83,6 +90,10 @@ def main(argv):
         select_top_k=(
             _SELECT_TOP_K.value is None or _SELECT_TOP_K.value >= 0,
             f"must be >= 0 (0 = the whole vocabulary), got {_SELECT_TOP_K.value}",
+        ),
+        draft_vocab=(
+            _DRAFT_VOCAB.value is None or _DRAFT_VOCAB.value >= 0,
+            f"must be >= 0 (0 = the whole vocabulary), got {_DRAFT_VOCAB.value}",
         ),
     )
     config = checkpoint_config(_CONFIG, _CHECKPOINT.value)
@@ -116,6 +127,7 @@ def main(argv):
         select_top_k=_SELECT_TOP_K.value,
         schedule=_SCHEDULE.value,
         draft_len=_DRAFT_LEN.value,
+        draft_vocab=_DRAFT_VOCAB.value,
     )
     mesh = sharding.make_mesh(config.mesh.to_dict())
     if settings.schedule == "confidence":  # before the target loads: a missing calibration fails fast

@@ -132,16 +132,26 @@ class DraftMemory(NamedTuple):
     valid_BxNxM: jax.Array
 
 
+class DraftVocab(NamedTuple):
+    """A decoding-time draft vocabulary: the `N` token ids the draft may propose (ascending) and their
+    columns of the target's LM head `[H, N]`, so a selection reads `N` of the `V` columns."""
+
+    ids_N: jax.Array
+    lm_head_HxN: jax.Array
+
+
 class FrozenTarget(NamedTuple):
     """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft, plus the frozen side
-    inputs of the run's group (`{name: pytree}`, declared by `Experiment.side_inputs`; None: none), and in
+    inputs of the run's group (`{name: pytree}`, declared by `Experiment.side_inputs`; None: none), in
     online training the target's whole parameter state, which the step's feature pass runs (None
-    offline: the states come from the cache)."""
+    offline: the states come from the cache), and at decoding an optional `DraftVocab` the proposals
+    are drawn from (None: the whole vocabulary)."""
 
     embedding_VxH: jax.Array
     lm_head_HxV: jax.Array
     side_inputs: Any = None
     target_state: Any = None
+    draft_vocab: DraftVocab | None = None
 
 
 class DraftLayer(DecoderBlock):

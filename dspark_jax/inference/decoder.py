@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.draft.model import DraftVocab, FrozenTarget
 from dspark_jax.inference import calibration, scheduler
 from dspark_jax.inference.engine import DSPARK_PROPOSER, Proposer, SpecSettings, speculate_program
 from dspark_jax.target.generate import GREEDY, BatchedDecoding, Generator, SamplingParams, check_prompts
@@ -128,6 +128,9 @@ class SpeculativeDecoder(BatchedDecoding):
         `draft_len + 1`); None = `scheduler.default_buckets`.
       draft_len: proposals drafted and verified at most per cycle, the block's first slots (0 = all of
         them, `block_size`).
+      draft_vocab: the token ids the draft may propose (e.g. `vocabulary.most_frequent` of the training
+        text); each selection then reads only their columns of the LM head. None = the whole vocabulary.
+        Lossless either way: the target decides what is emitted.
     """
 
     def __init__(
@@ -149,6 +152,7 @@ class SpeculativeDecoder(BatchedDecoding):
         temperatures: dict[str, tuple[float, ...]] | None = None,
         verify_buckets: Sequence[int] | None = None,
         draft_len: int = 0,
+        draft_vocab: Sequence[int] | np.ndarray | None = None,
     ):
         super().__init__(pad_id=pad_id, batch_size=batch_size, padding="right", mesh=mesh)
         if select_top_k < 0:
@@ -180,7 +184,10 @@ class SpeculativeDecoder(BatchedDecoding):
         self.draft = (draft_graphdef, draft_params, draft_rest)
         self.proposer = proposer
         self.block_size = draft_cfg.block_size
-        self.frozen = frozen
+        self.frozen = (
+            frozen if draft_vocab is None else frozen._replace(draft_vocab=self._vocab(frozen, draft_vocab))
+        )
+        self.draft_vocab_size = 0 if draft_vocab is None else len(draft_vocab)  # 0 = the whole vocabulary
         self.cfg = t
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.eos_ids = tuple(int(e) for e in eos_ids)
@@ -195,6 +202,20 @@ class SpeculativeDecoder(BatchedDecoding):
         self.sps_table: scheduler.SpsTable | None = None  # profiled on the first confidence-scheduled batch
         self._sps_N = None  # (table, its dense device array)
         self.report = SpecReport()
+
+    def _vocab(self, frozen: FrozenTarget, ids: Sequence[int] | np.ndarray) -> DraftVocab:
+        """The draft vocabulary of token `ids` on this decoder's mesh (replicated), checked."""
+        ids_N = np.asarray(ids)
+        vocab = frozen.lm_head_HxV.shape[1]
+        if ids_N.ndim != 1 or not len(ids_N) or not np.issubdtype(ids_N.dtype, np.integer):
+            raise ValueError(f"draft_vocab must be a non-empty list of token ids, got shape {ids_N.shape}")
+        if ids_N.min() < 0 or ids_N.max() >= vocab or len(np.unique(ids_N)) != len(ids_N):
+            raise ValueError(f"draft_vocab must hold distinct token ids in 0..{vocab - 1}")
+        ids_N = jax.device_put(np.sort(ids_N).astype(np.int32), NamedSharding(self.mesh, PartitionSpec()))
+        head_HxN = jax.jit(
+            lambda head, ids: head[:, ids], out_shardings=NamedSharding(self.mesh, PartitionSpec())
+        )
+        return DraftVocab(ids_N, head_HxN(frozen.lm_head_HxV, ids_N))
 
     def target_only(self) -> Generator:
         """Target-only decoding with this decoder's target, batching and mesh: the speed baseline, and

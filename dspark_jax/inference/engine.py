@@ -10,7 +10,8 @@ known but not yet fed to the target. One cycle:
    `select_top_k = K` the correction is computed for the K best base logits of each slot only
    (the choice is then among those K: still lossless, the target decides what is emitted);
    `draft_len = L` selects the first `L` slots only: a shorter block, for hardware where a verification
-   forward's cost grows fast with its width (e.g. a CPU);
+   forward's cost grows fast with its width (e.g. a CPU); a draft vocabulary (`FrozenTarget.draft_vocab`)
+   restricts the choices to its `N` tokens, so the selection reads `N` of the LM head's `V` columns;
 3. schedule: how many proposals `l` each row verifies: all of them (`fixed`), or the prefix scheduler's
    choice from the calibrated confidences (`confidence`, `dspark_jax.inference.scheduler`);
 4. verify: the target runs `[x[p], d_1..d_l]` in one forward with its KV cache (a padded bucket width
@@ -138,6 +139,27 @@ def draft_hidden(
     return draft.backbone(x_Bx1xSxH, ctx_kvs, state.target_cache.end_B[:, None], memory)[:, 0]
 
 
+def candidates(
+    draft: DSparkDraft, frozen: FrozenTarget, h_BxSxH, top_k: int
+) -> tuple[jax.Array, jax.Array | None]:
+    """Each slot's candidate tokens and their base logits, from one pass over the LM head for the block:
+    `(base [B, S, C], ids [B, S, C])`, `C` = the vocabulary `V` (ids None: all of it, in order), the draft
+    vocabulary's `N` (`frozen.draft_vocab`: its columns of the head only) or, with `top_k = K`, the `K`
+    best of those."""
+    vocab = frozen.draft_vocab
+    if vocab is None:
+        base_BxSxC, ids_C = draft.base_logits(frozen, h_BxSxH), None
+    else:
+        base_BxSxC = draft.base_logits(frozen._replace(lm_head_HxV=vocab.lm_head_HxN), h_BxSxH)
+        ids_C = vocab.ids_N
+    if not top_k:
+        return base_BxSxC, None if ids_C is None else jnp.broadcast_to(ids_C, base_BxSxC.shape)
+    top = jax.lax.top_k(base_BxSxC, min(top_k, base_BxSxC.shape[-1]))
+    # XLA:CPU lowers top_k to a sort and would repeat it for every slot that reads a slice of it.
+    base_BxSxK, index_BxSxK = jax.lax.optimization_barrier(top)
+    return base_BxSxK, index_BxSxK if ids_C is None else ids_C[index_BxSxK]
+
+
 def markov_select(
     draft: DSparkDraft,
     frozen: FrozenTarget,
@@ -161,19 +183,15 @@ def markov_select(
 
     With `settings.select_top_k = K` each slot's candidates are its K best base logits and the Markov
     correction reads only their K columns of `W2` (the full `[R, V]` matrix is otherwise read once per
-    slot); the proposals' logits are `-inf` outside the candidates, so sampled acceptance uses the
-    distribution the token was actually drawn from. With `settings.draft_len = L` only the first `L` slots
-    are selected (`Proposals` of `L` columns).
+    slot); with a draft vocabulary (`frozen.draft_vocab`) they come from its `N` ids only (`candidates`).
+    The proposals' logits are `-inf` outside the candidates, so sampled acceptance uses the distribution
+    the token was actually drawn from. With `settings.draft_len = L` only the first `L` slots are selected
+    (`Proposals` of `L` columns).
     """
     h_BxSxH = h_BxSxH[:, : settings.draft_len or None]
     token_B = state.pending_B
-    base_BxSxV = draft.base_logits(frozen, h_BxSxH)  # one pass over the LM head for the whole block
-    vocab = base_BxSxV.shape[-1]
-    columns_BxSxK = None
-    if settings.select_top_k:
-        top = jax.lax.top_k(base_BxSxV, min(settings.select_top_k, vocab))
-        # XLA:CPU lowers top_k to a sort and would repeat it for every slot that reads a slice of it.
-        base_BxSxV, columns_BxSxK = jax.lax.optimization_barrier(top)
+    vocab = frozen.lm_head_HxV.shape[-1]
+    base_BxSxV, columns_BxSxK = candidates(draft, frozen, h_BxSxH, settings.select_top_k)
     drafts, logits, confidence = [], [], []
     for i in range(h_BxSxH.shape[1]):
         columns = None if columns_BxSxK is None else columns_BxSxK[:, i]

@@ -80,7 +80,7 @@ class FloorPrograms(NamedTuple):
     """The work a cycle cannot do without, as jitted programs:
 
     verify_forward(target_state, state, proposals) -> the target's logits and aux states of `[x[p], d_1..d_S]`
-    lm_head(draft_params, draft_rest, frozen, h_BxSxH) -> the block's base logits over the vocabulary
+    lm_head(draft_params, draft_rest, frozen, h_BxSxH) -> the block's base logits over the (draft) vocabulary
     """
 
     verify_forward: Callable
@@ -96,7 +96,7 @@ def floor_programs(decoder: SpeculativeDecoder, settings: engine.SpecSettings) -
         return engine.verify_forward(nnx.merge(tg, ts), tokens_BxS1, state.target_cache, settings, width)
 
     def lm_head(dp, dr, frozen, h_BxSxH):
-        return nnx.merge(dg, dp, dr).base_logits(frozen, h_BxSxH)
+        return engine.candidates(nnx.merge(dg, dp, dr), frozen, h_BxSxH, top_k=0)[0]
 
     return FloorPrograms(jax.jit(verify_forward), jax.jit(lm_head))
 
@@ -121,7 +121,8 @@ def time_cycle_phases(
     The cycle's floor, on the same states: `verify_forward` (the target's forward of the `L + 1` tokens of
     a cycle's `L = decoder.draft_len` proposals on its cache, with their logits and aux states: nothing
     else of verification), `draft_forward` (the proposer's draft pass, `draft`) and `lm_head` (one pass of
-    the `L` selected slots' draft states over the frozen LM head); `floor_ms` is their sum, `prefill_ms`
+    the `L` selected slots' draft states over the frozen LM head, the draft vocabulary's columns where the
+    decoder has one); `floor_ms` is their sum, `prefill_ms`
     the prompt's prefill (to take out of a decode loop's time per iteration).
     """
     settings = dataclasses.replace(decoder.settings(max_new_tokens + 8 * cycles, params), eos_ids=(-1,))

@@ -124,7 +124,7 @@ def profile_serving_sps(
 class DecodeSettings:
     """One decoding setting, shared by the speculative run and its target-only baseline.
 
-    `select_top_k` / `draft_len` None = the config's `generate` values; `schedule` 'fixed' or
+    `select_top_k` / `draft_len` / `draft_vocab` None = the config's `generate` values; `schedule` 'fixed' or
     'confidence' (the latter needs the checkpoint's STS calibration).
     """
 
@@ -136,6 +136,7 @@ class DecodeSettings:
     select_top_k: int | None = None
     schedule: str = "fixed"
     draft_len: int | None = None
+    draft_vocab: int | None = None
 
     @property
     def sampling(self) -> SamplingParams:
@@ -175,6 +176,7 @@ def speculative_decoder(config, checkpoint, target: Target, mesh: Mesh, s: Decod
         mesh=mesh,
         select_top_k=s.select_top_k,
         draft_len=s.draft_len,
+        draft_vocab=s.draft_vocab,
         schedule=s.schedule,
         temperatures=temperatures,
     )
@@ -209,6 +211,7 @@ def speculate(
             **dataclasses.asdict(s),
             "select_top_k": decoder.select_top_k,
             "proposals_per_cycle": decoder.draft_len,
+            "draft_vocab_size": decoder.draft_vocab_size,
             **{
                 option.flag: config_lib.get_key(config, option.key)
                 for option in groups.get(config.experiment).decode_options

@@ -283,3 +283,15 @@ def test_inconsistent_sample_rejected(tmp_path, field, bad, match):
     with pytest.raises(ValueError, match=f"sample 1: .*{match}"):
         w.append(s)
     assert w.samples_done == 0
+
+
+def test_token_counts_count_the_response_tokens_of_every_shard(tmp_path):
+    """`token_counts` against numpy over the samples as written (two shards, only `loss_mask` 1 counted)."""
+    samples = finalized(tmp_path, n=7, num_shards=2)
+    want = np.zeros(50_000, np.int64)
+    for s in samples:
+        np.add.at(want, s["input_ids"][s["loss_mask"] != 0], 1)
+    got = cache.CacheDataSource(str(tmp_path), read_states=False).token_counts(50_000)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(cache.CacheCorruptError, match=r"token ids outside 0\.\.999: the cache is of another"):
+        cache.CacheDataSource(str(tmp_path)).token_counts(1_000)

@@ -513,13 +513,13 @@ def _target_joint(target, prompt, n):
     return (prefix_R[:, None] * p_RxKxV[:, n - 1]).ravel()
 
 
-def _joint_sampling_pvalue(parts3, mesh, group, schedule):
+def _joint_sampling_pvalue(parts3, mesh, group, schedule, **kw):
     """Speculative sampling of `ROWS3` rows of `PROMPT3`: the chi-square p-value of their first `N3` tokens
-    against the target's joint distribution, and the decoder's report."""
+    against the target's joint distribution, and the decoder's report (`kw`: more decoder options)."""
     group_parts, draft, proposer = _group(parts3, mesh, group, DRAFT3, candidates=2)
     settings = _scheduled(S3) if schedule == "confidence" else {}
     decoder = _decoder(
-        group_parts, mesh, ROWS3, draft, proposer, eos=V3, verify_buckets=(1, 2, 3, S3 + 1), **settings
+        group_parts, mesh, ROWS3, draft, proposer, eos=V3, verify_buckets=(1, 2, 3, S3 + 1), **settings, **kw
     )
     if schedule == "confidence":  # a flatter table than `_decoder`'s: rows verify 0..S proposals
         n = np.arange(1, ROWS3 * (S3 + 1) + 1)

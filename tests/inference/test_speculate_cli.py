@@ -71,6 +71,16 @@ def test_speculate_cli_reports_mal_and_matches_target_greedy(tmp_path):
     # --draft_len beyond the draft's block is refused before the target loads.
     proc = subprocess.run([*cmd, "--draft_len=8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--draft_len must be in 0..7" in proc.stderr, proc.stderr[-2000:]
+    # A draft vocabulary of the 64 tokens the run's training replies use most (and EOS): still lossless.
+    proc = subprocess.run(
+        [*cmd[:-1], "--draft_vocab=64"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "draft vocabulary: " in proc.stderr, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["identical_to_target_greedy"] == "3/3" and result["settings"]["draft_vocab_size"] in (
+        64,
+        65,
+    )
     # The prefix scheduler needs the STS calibration first; then it decodes losslessly and reports.
     scheduled = [*cmd[:-1], "--schedule=confidence"]  # without --offline
     proc = subprocess.run(scheduled, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from dspark_jax.groups.baseline import block_states
 from dspark_jax.inference.timing import cycle_programs

@@ -1,14 +1,16 @@
 """Target features for the cache: aux layer outputs and the post-norm final state, in bf16.
 
-Sequences are grouped into length buckets (powers of two) and right-padded; one jitted
-forward per bucket shape returns `aux_hidden [B, T, A, H]` and `last_hidden [B, T, H]`
-already cast to bfloat16 on device, so only the cache's bytes cross to the host.
+Sequences are packed into rows of a power-of-two length (several whole samples a row, each attending to
+itself only: `Transformer.__call__`'s packed positions), so a forward computes little padding; one jitted
+forward per row shape returns `aux_hidden [B, T, A, H]` and `last_hidden [B, T, H]` already cast to
+bfloat16 on device, so only the cache's bytes cross to the host.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +41,21 @@ def target_states(
     return out.aux_BxTxAxH.astype(dtype), out.hidden_BxTxH.astype(dtype)
 
 
-def state_features(state, tokens_BxT, valid_BxT, *, graphdef, aux_layer_ids):
-    """The cache builder's program: `target_states` of right-padded rows, the model as `graphdef` + `state`
+def state_features(state, tokens_BxT, positions_BxT, *, graphdef, aux_layer_ids):
+    """The cache builder's program: `target_states` of packed rows, the model as `graphdef` + `state`
     (what it jits, and what `check_memory --program=target_forward` compiles)."""
     return target_states(
-        nnx.merge(graphdef, state), tokens_BxT, aux_layer_ids=aux_layer_ids, valid_BxT=valid_BxT
+        nnx.merge(graphdef, state), tokens_BxT, aux_layer_ids=aux_layer_ids, positions_BxT=positions_BxT
     )
+
+
+class Forward(NamedTuple):
+    """One forward of the cache builder: `rows` packed rows of `width` tokens, `members[r]` the indices of
+    the sequences in row `r`, in order (rows past `len(members)` are padding)."""
+
+    width: int
+    rows: int
+    members: list[list[int]]
 
 
 class FeatureExtractor:
@@ -53,8 +64,8 @@ class FeatureExtractor:
     Args:
       model: the target.
       aux_layer_ids: layers whose outputs form `aux_hidden` (-1 = embedding output).
-      tokens_per_batch: padded tokens per forward; a bucket of length T runs
-        `max(1, tokens_per_batch // T)` rows.
+      tokens_per_batch: tokens per forward; rows of length T run `max(1, tokens_per_batch // T)` at a
+        time (`batches`).
       mesh: device mesh; batches are sharded over its data axes.
     """
 
@@ -76,39 +87,58 @@ class FeatureExtractor:
             functools.partial(state_features, graphdef=self.graphdef, aux_layer_ids=self.aux_layer_ids)
         )
 
-    def batches(self, sequences: Sequence[np.ndarray]) -> Iterator[tuple[int, int, list[int]]]:
-        """`(bucket length, rows, indices)` per forward: one length bucket each, longest first."""
-        by_bucket: dict[int, list[int]] = {}
-        for index, ids in enumerate(sequences):
-            by_bucket.setdefault(prompt_bucket(len(ids)), []).append(index)
-        for length in sorted(by_bucket, reverse=True):
-            rows = max(1, self.tokens_per_batch // length)
-            members = by_bucket[length]
-            for start in range(0, len(members), rows):
-                yield length, rows, members[start : start + rows]
+    def batches(self, sequences: Sequence[np.ndarray]) -> Iterator[Forward]:
+        """The forwards of `sequences`, packed: longest first, each into the first row with room, rows of
+        `R = prompt_bucket(longest)` tokens (a sample never splits), `tokens_per_batch // R` rows a forward,
+        the last forward's rows rounded up to a quarter of that (at most four program shapes per `R`)."""
+        width = prompt_bucket(max(len(ids) for ids in sequences))
+        rows: list[list[int]] = []  # sequence indices per row
+        room: list[int] = []
+        for index in sorted(range(len(sequences)), key=lambda i: -len(sequences[i])):
+            n = len(sequences[index])
+            row = next((r for r, free in enumerate(room) if free >= n), len(rows))
+            if row == len(rows):
+                rows.append([])
+                room.append(width)
+            rows[row].append(index)
+            room[row] -= n
+        per_forward = max(1, self.tokens_per_batch // width)
+        step = max(1, per_forward // 4)
+        for start in range(0, len(rows), per_forward):
+            members = rows[start : start + per_forward]
+            yield Forward(width, -(-len(members) // step) * step, members)
 
     def __call__(
         self, sequences: Sequence[np.ndarray], on_batch: Callable[[int, int], None] | None = None
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """`(aux_hidden bf16[T, A, H], last_hidden bf16[T, H])` per sequence, in input order.
 
-        `on_batch(sequences, tokens)` is called after each forward with what it covered.
+        Each forward runs packed rows (`target_states` with `positions_BxT`: every sample's states are its
+        forward alone); `on_batch(sequences, tokens)` is called after each forward with what it covered.
         """
         results: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(sequences)
-        for length, rows, group in self.batches(sequences):
-            tokens = np.zeros((rows, length), np.int32)
-            valid = np.zeros((rows, length), bool)
-            for row, index in enumerate(group):
-                n = len(sequences[index])
-                tokens[row, :n] = sequences[index]
-                valid[row, :n] = True
+        if not sequences:
+            return []
+        for forward in self.batches(sequences):
+            tokens = np.zeros((forward.rows, forward.width), np.int32)
+            positions = np.tile(np.arange(forward.width, dtype=np.int32), (forward.rows, 1))
+            spans = []  # (index, row, start, length)
+            for row, members in enumerate(forward.members):
+                start = 0
+                for index in members:
+                    n = len(sequences[index])
+                    tokens[row, start : start + n] = sequences[index]
+                    positions[row, start:] = np.arange(forward.width - start, dtype=np.int32)
+                    spans.append((index, row, start, n))
+                    start += n
             aux, last = self._forward(
-                self.state, sharding.shard_batch(tokens, self.mesh), sharding.shard_batch(valid, self.mesh)
+                self.state,
+                sharding.shard_batch(tokens, self.mesh),
+                sharding.shard_batch(positions, self.mesh),
             )
             aux, last = np.asarray(aux), np.asarray(last)
-            for row, index in enumerate(group):
-                n = len(sequences[index])
-                results[index] = (aux[row, :n], last[row, :n])
+            for index, row, start, n in spans:
+                results[index] = (aux[row, start : start + n], last[row, start : start + n])
             if on_batch is not None:
-                on_batch(len(group), sum(len(sequences[index]) for index in group))
+                on_batch(len(spans), sum(n for *_, n in spans))
         return results

@@ -231,8 +231,8 @@ def target_forward_memory(
 
     The forward is `cache.features`' own function over the whole target of shape `target.arch` in
     `target.param_dtype` / `target.dtype`: its state laid out by the sharding rules (the routed experts'
-    weights on their own line, the rest, RoPE frequencies included, as other target state), the
-    `tokens` / `valid` rows on the 'batch' axes, the outputs where XLA puts them. `devices` as in
+    weights on their own line, the rest, RoPE frequencies included, as other target state), the packed
+    `tokens` / `positions` rows on the 'batch' axes, the outputs where XLA puts them. `devices` as in
     `step_memory`.
     """
     config_lib.validate(config)
@@ -249,7 +249,7 @@ def target_forward_memory(
     batch = _batch(
         {
             "tokens": jax.ShapeDtypeStruct((global_rows, length), jnp.int32),
-            "valid": jax.ShapeDtypeStruct((global_rows, length), jnp.bool_),
+            "positions": jax.ShapeDtypeStruct((global_rows, length), jnp.int32),
         },
         mesh,
         rules,
@@ -259,9 +259,9 @@ def target_forward_memory(
             features.state_features, graphdef=graphdef, aux_layer_ids=tuple(config.data.aux_layer_ids)
         )
     )
-    compiled = forward.lower(state, batch["tokens"], batch["valid"]).compile()
+    compiled = forward.lower(state, batch["tokens"], batch["positions"]).compile()
     outputs = _placed(
-        jax.eval_shape(forward, state, batch["tokens"], batch["valid"]), compiled.output_shardings
+        jax.eval_shape(forward, state, batch["tokens"], batch["positions"]), compiled.output_shardings
     )
     memory = _analysis(compiled)
     per_device = {

@@ -159,7 +159,7 @@ def test_target_forward_splits_the_experts_over_devices_and_the_bytes_add_up():
         assert tuple(per) == FORWARD_CATEGORIES and report["devices"] == devices
         assert report["global_rows"] == 2 * devices and report["tokens_per_row"] == t
         assert per["expert_parameters"] == experts // devices
-        assert per["batch"] == 2 * t * (4 + 1) and per["outputs"] == outputs  # int32 tokens + bool valid
+        assert per["batch"] == 2 * t * (4 + 4) and per["outputs"] == outputs  # int32 tokens + int32 positions
         forward = report["forward"]
         arguments = per["expert_parameters"] + per["other_target_state"] + per["batch"]
         assert forward["argument_size_in_bytes"] == arguments

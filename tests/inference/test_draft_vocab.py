@@ -12,9 +12,11 @@ from dspark_jax.run import decoding
 from dspark_jax.target.generate import GREEDY, Generator
 from tests.inference.test_speculate import (  # noqa: F401
     EOS,
+    GROUPS,
     PROMPTS,
     V,
     _decoder,
+    _group,
     _joint_sampling_pvalue,
     parts,
     parts3,
@@ -73,12 +75,18 @@ def test_proposals_are_the_whole_vocabularys_best_corrected_choice_among_the_dra
             state, _ = run.verify(ts, dp, dr, state, draft_out, proposals, None)
 
 
-def test_greedy_with_a_draft_vocabulary_equals_the_target_greedy(parts, mesh1):  # noqa: F811
+@pytest.mark.parametrize(
+    "group", [g if g == "baseline" else pytest.param(g, marks=pytest.mark.slow) for g in GROUPS]
+)
+def test_greedy_with_a_draft_vocabulary_equals_the_target_greedy(parts, mesh1, group):  # noqa: F811
+    """Every group's proposer stays lossless (the reranker rescoring 4 candidates of the draft vocabulary,
+    fewer than its 16)."""
     prompts = PROMPTS * 2
     expected = Generator(parts[0], eos_ids=[EOS], pad_id=0, batch_size=8, mesh=mesh1).generate(
         prompts, max_new_tokens=20
     )
-    decoder = _decoder(parts, mesh1, 8, draft_vocab=VOCAB, select_top_k=4)
+    group_parts, draft, proposer = _group(parts, mesh1, group)
+    decoder = _decoder(group_parts, mesh1, 8, draft, proposer, draft_vocab=VOCAB, select_top_k=4)
     assert decoder.generate(prompts, max_new_tokens=20) == expected
     assert decoder.draft_vocab_size == len(VOCAB)
 

@@ -151,8 +151,10 @@ class RerankerDraft(DSparkDraft):
 
     def score(self, h_xH: jax.Array, r_xW: jax.Array, logits_xV: jax.Array, columns_xV=None) -> Reranked:
         """The top-K candidates of `logits` (at vocabulary ids `columns`, default `0..V-1`) and their
-        scores `l(v) + u . k_v / sqrt(W)` for draft states `h` and prefix representations `r`."""
-        top_xK, index_xK = jax.lax.top_k(logits_xV, self.cfg.rerank_candidates)
+        scores `l(v) + u . k_v / sqrt(W)` for draft states `h` and prefix representations `r`; `K` =
+        `rerank_candidates`, or all of `logits` where it has fewer (a decoder's smaller `select_top_k` or
+        draft vocabulary: each candidate's score is its own)."""
+        top_xK, index_xK = jax.lax.top_k(logits_xV, min(self.cfg.rerank_candidates, logits_xV.shape[-1]))
         candidates_xK = index_xK if columns_xV is None else jnp.take_along_axis(columns_xV, index_xK, axis=-1)
         u_xW = self.reranker.queries(h_xH.astype(self.dtype), r_xW)
         e_out_xKxR = out_rows(self.markov, candidates_xK).astype(self.dtype)

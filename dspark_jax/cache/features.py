@@ -116,9 +116,9 @@ class FeatureExtractor:
         Each forward runs packed rows (`target_states` with `positions_BxT`: every sample's states are its
         forward alone); `on_batch(sequences, tokens)` is called after each forward with what it covered.
         """
-        results: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(sequences)
         if not sequences:
             return []
+        results: list[tuple[np.ndarray, np.ndarray] | None] = [None] * len(sequences)
         for forward in self.batches(sequences):
             tokens = np.zeros((forward.rows, forward.width), np.int32)
             positions = np.tile(np.arange(forward.width, dtype=np.int32), (forward.rows, 1))

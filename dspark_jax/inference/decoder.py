@@ -187,7 +187,6 @@ class SpeculativeDecoder(BatchedDecoding):
         self.frozen = (
             frozen if draft_vocab is None else frozen._replace(draft_vocab=self._vocab(frozen, draft_vocab))
         )
-        self.draft_vocab_size = 0 if draft_vocab is None else len(draft_vocab)  # 0 = the whole vocabulary
         self.cfg = t
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.eos_ids = tuple(int(e) for e in eos_ids)
@@ -202,6 +201,12 @@ class SpeculativeDecoder(BatchedDecoding):
         self.sps_table: scheduler.SpsTable | None = None  # profiled on the first confidence-scheduled batch
         self._sps_N = None  # (table, its dense device array)
         self.report = SpecReport()
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the draft may propose; 0 = the whole vocabulary."""
+        vocab = self.frozen.draft_vocab
+        return 0 if vocab is None else vocab.ids_N.shape[0]
 
     def _vocab(self, frozen: FrozenTarget, ids: Sequence[int] | np.ndarray) -> DraftVocab:
         """The draft vocabulary of token `ids` on this decoder's mesh (replicated), checked."""

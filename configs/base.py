@@ -39,7 +39,8 @@ Keys:
                             verification forward's cost grows fast with its width (a CPU).
   generate.draft_vocab      speculative decoding: the draft proposes only the N tokens the run's training
                             responses use most (their N columns of the LM head are all a selection reads;
-                            0 = the whole vocabulary; lossless either way).
+                            0 = the vocabulary the draft trained on, `train.draft_vocab`; lossless either
+                            way).
   data.cache_dir            root of the caches and regenerated replies; '' = $DSPARK_JAX_CACHE or
                             ~/.cache/dspark_jax, then `<preset>/<target fingerprint>` below it.
   data.train_cache          an existing cache to train on (dspark_jax or DeepSpec v2 format, local or
@@ -104,6 +105,10 @@ Keys:
   train.peak_lr             AdamW peak learning rate (3e-4).
   train.warmup_fraction     linear warmup share of `total_steps` (0.04).
   train.weight_decay        AdamW weight decay (0).
+  train.draft_vocab         the draft's logits cover only the N tokens the training responses use most (plus
+                            EOS), the teacher keeps the whole vocabulary (L1 counts its mass outside; a label
+                            outside adds no CE): the draft's vocabulary-sized work shrinks V/N-fold; decoding
+                            proposes from the same N tokens (0 = the whole vocabulary, 49,152 for SmolLM2).
   train.clip_norm           global gradient-norm clip (1.0).
   train.b1/b2/eps           AdamW moments.
   train.checkpoint_every    steps between orbax checkpoints (651).
@@ -299,6 +304,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.train.peak_lr = {"paper": 3e-4, "demo": 6e-3, "accel": 3e-3, "smoke": 3e-4}[preset]
     c.train.warmup_fraction = 0.04
     c.train.weight_decay = 0.0
+    c.train.draft_vocab = 0
     c.train.clip_norm = 1.0
     c.train.b1 = 0.9
     c.train.b2 = 0.999

@@ -133,8 +133,9 @@ class DraftMemory(NamedTuple):
 
 
 class DraftVocab(NamedTuple):
-    """A decoding-time draft vocabulary: the `N` token ids the draft may propose (ascending) and their
-    columns of the target's LM head `[H, N]`, so a selection reads `N` of the `V` columns."""
+    """A draft vocabulary: the `N` token ids the draft may propose (ascending) and their columns of the
+    target's LM head `[H, N]`, so the draft's logits read `N` of the `V` columns (in training, where the
+    teacher keeps all `V`, and at decoding)."""
 
     ids_N: jax.Array
     lm_head_HxN: jax.Array
@@ -144,14 +145,27 @@ class FrozenTarget(NamedTuple):
     """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft, plus the frozen side
     inputs of the run's group (`{name: pytree}`, declared by `Experiment.side_inputs`; None: none), in
     online training the target's whole parameter state, which the step's feature pass runs (None
-    offline: the states come from the cache), and at decoding an optional `DraftVocab` the proposals
-    are drawn from (None: the whole vocabulary)."""
+    offline: the states come from the cache), and an optional `DraftVocab`, the only tokens the draft's
+    logits cover in training and at decoding (None: the whole vocabulary)."""
 
     embedding_VxH: jax.Array
     lm_head_HxV: jax.Array
     side_inputs: Any = None
     target_state: Any = None
     draft_vocab: DraftVocab | None = None
+
+
+def make_draft_vocab(lm_head_HxV: jax.Array, ids_N, ids_sharding, head_sharding) -> DraftVocab:
+    """The draft vocabulary of the token ids `ids_N` (sorted) and their columns of `lm_head_HxV`, placed
+    with `ids_sharding` and `head_sharding`."""
+    ids_N = jax.device_put(np.sort(np.asarray(ids_N)).astype(np.int32), ids_sharding)
+    head_HxN = jax.jit(lambda head, ids: head[:, ids], out_shardings=head_sharding)(lm_head_HxV, ids_N)
+    return DraftVocab(ids_N, head_HxN)
+
+
+def vocab_columns(frozen: FrozenTarget) -> jax.Array | None:
+    """The token ids of the draft's logits' columns: the draft vocabulary's `[N]`, None for all `V`."""
+    return None if frozen.draft_vocab is None else frozen.draft_vocab.ids_N
 
 
 class DraftLayer(DecoderBlock):
@@ -246,10 +260,12 @@ class MarkovHead(nnx.Module):
         return jnp.take(self.w1.get_value(), predecessors_x, axis=0)
 
     def bias(self, m_xR: jax.Array, columns_xK: jax.Array | None = None) -> jax.Array:
-        """Float32 vocabulary bias `[..., V]`, or `[..., K]` at the vocabulary ids `columns_xK` only."""
+        """Float32 vocabulary bias `[..., V]`, or `[..., K]` at the vocabulary ids `columns_xK` only: one
+        row's own ids `[..., K]`, or ids `[K]` every row shares (a draft vocabulary)."""
         w2_RxV = self.w2.get_value().astype(m_xR.dtype)
-        if columns_xK is None:
-            return jnp.einsum("...r,rv->...v", m_xR, w2_RxV, preferred_element_type=jnp.float32)
+        if columns_xK is None or columns_xK.ndim == 1:
+            w2_RxK = w2_RxV if columns_xK is None else jnp.take(w2_RxV, columns_xK, axis=1)
+            return jnp.einsum("...r,rk->...k", m_xR, w2_RxK, preferred_element_type=jnp.float32)
         w2_xKxR = jnp.moveaxis(jnp.take(w2_RxV, columns_xK, axis=1), 0, -1)  # gathers columns, no transpose
         return jnp.einsum("...r,...kr->...k", m_xR, w2_xKxR, preferred_element_type=jnp.float32)
 
@@ -322,11 +338,13 @@ class DSparkDraft(nnx.Module):
         return self.final_norm(x_BxNxSxH)
 
     def base_logits(self, frozen: FrozenTarget, h_xH: jax.Array) -> jax.Array:
-        """Float32 `h @ lm_head` (the frozen target head), `[..., V]`."""
+        """Float32 `h @ lm_head` (the frozen target head), `[..., V]`; `[..., N]` over the draft
+        vocabulary's columns where `frozen.draft_vocab` is set (its ids: `vocab_columns`)."""
+        vocab = frozen.draft_vocab
         return jnp.einsum(
             "...h,hv->...v",
             h_xH.astype(self.dtype),
-            frozen.lm_head_HxV.astype(self.dtype),
+            (frozen.lm_head_HxV if vocab is None else vocab.lm_head_HxN).astype(self.dtype),
             preferred_element_type=jnp.float32,
         )
 
@@ -364,7 +382,7 @@ class DSparkDraft(nnx.Module):
         predecessors_xS: jax.Array,
         m_xSxR: jax.Array | None = None,
     ) -> dict[str, jax.Array]:
-        """Corrected logits (float32 `[..., S, V]`) and confidence logits for teacher-forced predecessors
-        (`m_xSxR` as `corrected`'s `m_xR`)."""
+        """Corrected logits (float32 `[..., S, V]`, `[..., S, N]` over a draft vocabulary) and confidence
+        logits for teacher-forced predecessors (`m_xSxR` as `corrected`'s `m_xR`)."""
         base_xSxV = self.base_logits(frozen, h_xSxH)
-        return self.corrected(base_xSxV, h_xSxH, predecessors_xS, m_xR=m_xSxR)
+        return self.corrected(base_xSxV, h_xSxH, predecessors_xS, vocab_columns(frozen), m_xSxR)

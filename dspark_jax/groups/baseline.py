@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import jax
 
 from dspark_jax.draft import blocks, objective
-from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget
+from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget, vocab_columns
 from dspark_jax.groups.registry import Batch, Design, Experiment, register
 
 
@@ -69,6 +69,7 @@ def objective_sums(
         targets.eval_mask,
         anchor_chunk=cfg.anchor_chunk,
         remat=cfg.remat,
+        vocab_ids_N=vocab_columns(frozen),
     )
 
 

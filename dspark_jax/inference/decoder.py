@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dspark_jax.draft.model import DraftVocab, FrozenTarget
+from dspark_jax.draft.model import DraftVocab, FrozenTarget, make_draft_vocab
 from dspark_jax.inference import calibration, scheduler
 from dspark_jax.inference.engine import DSPARK_PROPOSER, Proposer, SpecSettings, speculate_program
 from dspark_jax.target.generate import GREEDY, BatchedDecoding, Generator, SamplingParams, check_prompts
@@ -216,11 +216,8 @@ class SpeculativeDecoder(BatchedDecoding):
             raise ValueError(f"draft_vocab must be a non-empty list of token ids, got shape {ids_N.shape}")
         if ids_N.min() < 0 or ids_N.max() >= vocab or len(np.unique(ids_N)) != len(ids_N):
             raise ValueError(f"draft_vocab must hold distinct token ids in 0..{vocab - 1}")
-        ids_N = jax.device_put(np.sort(ids_N).astype(np.int32), NamedSharding(self.mesh, PartitionSpec()))
-        head_HxN = jax.jit(
-            lambda head, ids: head[:, ids], out_shardings=NamedSharding(self.mesh, PartitionSpec())
-        )
-        return DraftVocab(ids_N, head_HxN(frozen.lm_head_HxV, ids_N))
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return make_draft_vocab(frozen.lm_head_HxV, ids_N, replicated, replicated)
 
     def target_only(self) -> Generator:
         """Target-only decoding with this decoder's target, batching and mesh: the speed baseline, and

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget
+from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget, vocab_columns
 from dspark_jax.inference import scheduler
 from dspark_jax.inference.acceptance import accept_greedy, accept_sampling
 from dspark_jax.target.generate import SamplingParams, sample
@@ -146,12 +146,7 @@ def candidates(
     `(base [B, S, C], ids [B, S, C])`, `C` = the vocabulary `V` (ids None: all of it, in order), the draft
     vocabulary's `N` (`frozen.draft_vocab`: its columns of the head only) or, with `top_k = K`, the `K`
     best of those."""
-    vocab = frozen.draft_vocab
-    if vocab is None:
-        base_BxSxC, ids_C = draft.base_logits(frozen, h_BxSxH), None
-    else:
-        base_BxSxC = draft.base_logits(frozen._replace(lm_head_HxV=vocab.lm_head_HxN), h_BxSxH)
-        ids_C = vocab.ids_N
+    base_BxSxC, ids_C = draft.base_logits(frozen, h_BxSxH), vocab_columns(frozen)
     if not top_k:
         return base_BxSxC, None if ids_C is None else jnp.broadcast_to(ids_C, base_BxSxC.shape)
     top = jax.lax.top_k(base_BxSxC, min(top_k, base_BxSxC.shape[-1]))

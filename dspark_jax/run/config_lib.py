@@ -170,6 +170,7 @@ def validate(config) -> None:
     for key in ("num_anchors", "global_batch", "grad_accum", "total_steps"):
         if t[key] < 1:
             raise UsageError(f"train.{key}={t[key]} must be >= 1")
+    _check_draft_vocab(config)
     for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "anchor_chunk"):
         if config.draft[key] < 1:
             raise UsageError(f"draft.{key}={config.draft[key]} must be >= 1")
@@ -185,6 +186,21 @@ def validate(config) -> None:
         experiment.check_config(config)
     if config.draft.block_size != 7:
         log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
+
+
+def _check_draft_vocab(config) -> None:
+    """`train.draft_vocab` / `generate.draft_vocab` are token counts within the target's vocabulary (where
+    `target.arch` describes it: the embedded default's, a random target's or the paper's shape)."""
+    arch, target = config.target.get("arch"), config.target
+    vocab = None if arch is None or (target.path and not target.random_init) else arch.vocab_size
+    for section in ("train", "generate"):
+        size = config[section].get("draft_vocab", 0)
+        if not isinstance(size, int) or size < 0 or (vocab is not None and size > vocab):
+            limit = f"0..{vocab}" if vocab is not None else ">= 0"
+            raise UsageError(
+                f"{section}.draft_vocab={size!r} must be an integer in {limit}: the draft's vocabulary "
+                "size (0 = the target's whole vocabulary)"
+            )
 
 
 def _check_aux_layers(config) -> None:

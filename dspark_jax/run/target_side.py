@@ -1,6 +1,6 @@
-"""What a run needs of the target: its shape, frozen embedding and LM head, identity and pad id (the full
-target only when a cache must be built), the group's side inputs, and the train/val caches, built first
-when missing."""
+"""What a run needs of the target: its shape, frozen embedding and LM head, identity, pad and EOS ids (the
+full target only when a cache must be built), the group's side inputs, the draft vocabulary, and the
+train/val caches, built first when missing."""
 
 from __future__ import annotations
 
@@ -13,16 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax import groups, sharding
 from dspark_jax.cache import read_manifest
 from dspark_jax.cache.build import cache_path, prepare_split
+from dspark_jax.cache.reader import CacheDataSource
 from dspark_jax.data.batch import reads_states
-from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.draft.model import FrozenTarget, make_draft_vocab
 from dspark_jax.errors import UsageError
+from dspark_jax.inference import vocabulary
 from dspark_jax.run import draft_state, online
-from dspark_jax.target import Target, TargetConfig, target_from_config
+from dspark_jax.target import Target, TargetConfig, eos_ids, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
 from dspark_jax.target.load import TensorReader, abstract_model, tensor_reader
 from dspark_jax.target.tokenizer import Tokenizer
@@ -39,6 +41,7 @@ class TargetSide:
     fingerprint: str
     tokenizer_fingerprint: str
     pad_id: int
+    eos_ids: tuple[int, ...]
     features: online.OnlineFeatures | None = None  # online training: the step's target forward
 
 
@@ -100,6 +103,7 @@ def side_from_target(target: Target, mesh: Mesh) -> TargetSide:
         target.fingerprint,
         tokenizer.fingerprint(),
         tokenizer.pad_id if tokenizer.pad_id is not None else 0,
+        target.eos_ids,
     )
 
 
@@ -125,6 +129,7 @@ def side_from_checkpoint(config, mesh: Mesh) -> TargetSide:
         ckpt.fingerprint(),
         tokenizer.fingerprint(),
         tokenizer.pad_id if tokenizer.pad_id is not None else 0,
+        eos_ids(ckpt.config, tokenizer),
     )
 
 
@@ -186,7 +191,44 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
         if not given[split] and not _cache_complete(path):
             log.info("%s cache %s is missing or incomplete: building it", split, path)
             prepare_split(config, split, load_target(), mesh)
+    if size := config.train.get("draft_vocab", 0):
+        side = with_draft_vocab(side, training_vocabulary(config, side, size, paths["train"]), mesh)
     return side, paths
+
+
+def training_vocabulary(config, side: TargetSide, size: int, path: str | None = None) -> np.ndarray:
+    """The `size` tokens of the run's training cache's responses used most (ties to the lower id), plus
+    the target's EOS ids: the run's draft vocabulary (`inference.vocabulary`), the same for training and
+    decoding. Only the training split (`path`, default the run's) is counted, so no evaluation prompt's
+    reply shapes it."""
+    path = path or config.data.train_cache or cache_path(config, side.fingerprint, "train")
+    try:
+        source = CacheDataSource(path, read_states=False)
+    except FileNotFoundError:
+        raise ValueError(
+            f"a draft vocabulary ranks the training cache's tokens, and {path} is not there: build it "
+            "(python -m dspark_jax.build_cache with the run's config) or set train.draft_vocab=0 and "
+            "generate.draft_vocab=0"
+        ) from None
+    counts_V = source.token_counts(side.config.vocab_size)
+    ids_N = vocabulary.most_frequent(counts_V, size, always=side.eos_ids)
+    log.info(
+        "draft vocabulary: %d tokens covering %.2f%% of the training responses' tokens (%s)",
+        len(ids_N),
+        100 * vocabulary.coverage(counts_V, ids_N),
+        path,
+    )
+    return ids_N
+
+
+def with_draft_vocab(side: TargetSide, ids_N: np.ndarray, mesh: Mesh) -> TargetSide:
+    """`side` whose draft logits cover the token ids `ids_N` only (`FrozenTarget.draft_vocab`): the ids
+    replicated, their LM-head columns placed as the head is."""
+    head_HxV = side.frozen.lm_head_HxV
+    spec = sharding.logical_to_spec(("embed", "vocab"), (head_HxV.shape[0], len(ids_N)), mesh)
+    vocab = make_draft_vocab(head_HxV, ids_N, NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, spec))
+    frozen = side.frozen._replace(draft_vocab=vocab)
+    return dataclasses.replace(side, frozen=frozen)
 
 
 def with_side_inputs(config, side: TargetSide, load_target: Callable[[], Target] | None = None) -> TargetSide:

@@ -52,11 +52,15 @@ class Target:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        """Tokens that end a reply: the checkpoint's EOS ids and the tokenizer's."""
-        ids = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_id is not None:
-            ids.add(self.tokenizer.eos_id)
-        return tuple(sorted(ids))
+        return eos_ids(self.config, self.tokenizer)
+
+
+def eos_ids(config: TargetConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """Tokens that end a reply: the checkpoint's EOS ids and the tokenizer's."""
+    ids = set(config.eos_token_ids)
+    if tokenizer.eos_id is not None:
+        ids.add(tokenizer.eos_id)
+    return tuple(sorted(ids))
 
 
 def load_target(

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dspark_jax import groups, sharding
 from dspark_jax.cache import features
 from dspark_jax.data import batch as batch_lib
-from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.draft.model import DraftVocab, FrozenTarget
 from dspark_jax.run import config_lib, draft_state, online
 from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.target import TargetConfig
@@ -104,7 +104,8 @@ def _peak(resident: int, batch: int, memory: dict[str, int]) -> int:
 
 
 def _frozen(config, target: TargetConfig, mesh, rules) -> FrozenTarget:
-    """The frozen target matrices as the trainer places them; the group's side inputs replicated."""
+    """The frozen target matrices as the trainer places them (with its draft vocabulary); the group's side
+    inputs replicated."""
     dtype = jnp.dtype(config.target.param_dtype)
     v, h = target.vocab_size, target.hidden_size
     place = lambda shape, axes: jax.ShapeDtypeStruct(
@@ -116,7 +117,11 @@ def _frozen(config, target: TargetConfig, mesh, rules) -> FrozenTarget:
         if abstract_inputs is None
         else _placed(dict(abstract_inputs(config, v)), NamedSharding(mesh, PartitionSpec()))
     )
-    return FrozenTarget(place((v, h), ("vocab", "embed")), place((h, v), ("embed", "vocab")), inputs)
+    frozen = FrozenTarget(place((v, h), ("vocab", "embed")), place((h, v), ("embed", "vocab")), inputs)
+    if n := config.train.get("draft_vocab", 0):  # its size before the EOS ids the cache's ranking adds
+        ids = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec()))
+        frozen = frozen._replace(draft_vocab=DraftVocab(ids, place((h, n), ("embed", "vocab"))))
+    return frozen
 
 
 def _batch(fields, mesh, rules):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget
+from dspark_jax.draft.model import DraftConfig, DSparkDraft, FrozenTarget, make_draft_vocab, vocab_columns
 
 CFG = DraftConfig(
     hidden_size=32,
@@ -68,3 +68,21 @@ def test_mask_token_row_or_learned_vector():
     np.testing.assert_array_equal(
         np.asarray(y[0, 0, 1:]), np.broadcast_to(np.asarray(frozen.embedding_VxH[49]), (6, 32))
     )
+
+
+def test_heads_over_a_draft_vocabulary_are_the_whole_vocabularys_at_its_ids():
+    """`FrozenTarget.draft_vocab`: base and Markov-corrected logits `[..., N]` are the whole vocabulary's
+    columns at the vocabulary's ids (the shared-columns Markov bias gathers `W2`'s columns once); the
+    confidence logit does not depend on the vocabulary."""
+    model, frozen, _ = _setup()
+    ids = np.asarray([0, 3, 4, 17, 30, 49])
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    restricted = frozen._replace(draft_vocab=make_draft_vocab(frozen.lm_head_HxV, ids[::-1], one, one))
+    np.testing.assert_array_equal(vocab_columns(restricted), ids)  # sorted
+    assert vocab_columns(frozen) is None
+    h = jax.random.normal(jax.random.key(5), (2, 3, CFG.block_size, CFG.hidden_size))
+    predecessors = jax.random.randint(jax.random.key(6), (2, 3, CFG.block_size), 0, CFG.vocab_size)
+    whole, part = model.heads(frozen, h, predecessors), model.heads(restricted, h, predecessors)
+    assert part["logits"].shape == (2, 3, CFG.block_size, len(ids))
+    np.testing.assert_allclose(part["logits"], np.asarray(whole["logits"])[..., ids], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(part["confidence_logit"], whole["confidence_logit"])

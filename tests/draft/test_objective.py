@@ -10,11 +10,14 @@ from dspark_jax.draft import objective
 S = 7  # predictions per block
 
 
-def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask):
-    """docs/design.md section 1, dense float64 with explicit loops: (sums, metrics)."""
+def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask, vocab=None):
+    """docs/design.md section 1, dense float64 with explicit loops: (sums, metrics). With `vocab` (a draft
+    vocabulary's ids) `logits` are over those ids only: `q` is 0 at every other id, and a label outside
+    them has no CE term."""
     B, N = labels.shape[:2]
     logits, conf_logit = np.float64(logits), np.float64(conf_logit)
     teacher_logits = np.float64(teacher_hidden) @ np.float64(lm_head)
+    vocab = np.arange(teacher_logits.shape[-1]) if vocab is None else np.asarray(vocab)
     keys = ("ce", "l1", "bce", "weight", "tau", "blocks", "conf_abs_err", "conf_bias", "conf_cumprod_bias")
     s = dict.fromkeys(keys, 0.0)
     accept, accept_count = np.zeros(S), np.zeros(S)
@@ -25,7 +28,8 @@ def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask
             for i in range(S):
                 p = np.exp(teacher_logits[b, n, i] - teacher_logits[b, n, i].max())
                 p /= p.sum()
-                q = np.exp(logits[b, n, i] - logits[b, n, i].max())
+                q = np.zeros_like(p)
+                q[vocab] = np.exp(logits[b, n, i] - logits[b, n, i].max())
                 q /= q.sum()
                 a = np.minimum(p, q).sum()
                 m = float(eval_mask[b, n, i])
@@ -37,7 +41,7 @@ def _reference_np(logits, conf_logit, teacher_hidden, lm_head, labels, eval_mask
                 if m == 0:
                     continue
                 w = np.exp(-i / 4.0)
-                s["ce"] += w * -np.log(q[labels[b, n, i]])
+                s["ce"] += w * -np.log(q[labels[b, n, i]]) if labels[b, n, i] in vocab else 0.0
                 s["l1"] += w * np.abs(p - q).sum()
                 s["bce"] += w * -(a * np.log(sig) + (1 - a) * np.log(1 - sig))
                 s["weight"] += w
@@ -88,7 +92,7 @@ def _passthrough(x):
     return {"logits": x["logits"], "confidence_logit": x["conf"]}
 
 
-def _sums_of(prob, eval_mask, chunk):
+def _sums_of(prob, eval_mask, chunk, vocab=None):
     inputs = {"logits": prob["logits"], "conf": prob["conf"]}
     return objective.block_objective_sums(
         _passthrough,
@@ -98,6 +102,7 @@ def _sums_of(prob, eval_mask, chunk):
         prob["labels"],
         eval_mask,
         anchor_chunk=chunk,
+        vocab_ids_N=None if vocab is None else jnp.asarray(vocab, jnp.int32),
     )
 
 
@@ -122,6 +127,38 @@ def test_sums_and_metrics_match_float64_reference(lengths):
     np.testing.assert_allclose(objective.loss_from_sums(sums), ref_metrics["loss"], rtol=2e-5, atol=1e-6)
     w = objective.position_weights(jnp.asarray(eval_mask))
     np.testing.assert_allclose(w.sum(), ref_sums["weight"], rtol=1e-6)
+
+
+def test_a_draft_vocabulary_sums_equal_the_reference_with_q_zero_outside_it():
+    """Draft logits over 24 of the 40 ids (`train.draft_vocab`): the sums are those of `q` = 0 at the other
+    16 ids against the whole-vocabulary teacher (L1 and overlap over all 40 ids in the reference), the
+    labels outside the 24 adding no CE; the recorded greedy choice is the vocabulary's id, not its column."""
+    prob = _random_problem(3)
+    V = prob["lm_head"].shape[1]
+    vocab = np.sort(np.random.default_rng(3).choice(V, 24, replace=False))
+    prob["logits"] = prob["logits"][..., vocab]
+    eval_mask = _mask_from_lengths(LENGTHS)
+    assert 0 < np.isin(prob["labels"], vocab).mean() < 1  # labels inside and outside
+    with objective.recording_blocks() as records:
+        sums = _sums_of(prob, eval_mask, chunk=2, vocab=vocab)
+    ref_sums, ref_metrics = _reference_np(
+        prob["logits"],
+        prob["conf"],
+        prob["teacher_hidden"],
+        prob["lm_head"],
+        prob["labels"],
+        eval_mask,
+        vocab,
+    )
+    for name, value in ref_sums.items():
+        np.testing.assert_allclose(sums[name], value, rtol=2e-5, atol=1e-5, err_msg=name)
+    metrics = objective.metrics_from_sums(sums)
+    for name, value in ref_metrics.items():
+        np.testing.assert_allclose(metrics[name], value, rtol=2e-5, atol=1e-5, err_msg=name)
+    teacher = np.float64(prob["teacher_hidden"]) @ np.float64(prob["lm_head"])
+    greedy = vocab[prob["logits"].argmax(-1)] == teacher.argmax(-1)
+    assert greedy.any()
+    np.testing.assert_array_equal(records[0]["greedy_accept"], greedy)
 
 
 def test_recorded_blocks_equal_a_numpy_computation_and_leave_the_sums_unchanged():

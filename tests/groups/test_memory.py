@@ -12,7 +12,7 @@ from flax import nnx
 from configs import baseline as baseline_config
 from configs import memory as memory_config
 from dspark_jax.draft import blocks, objective
-from dspark_jax.draft.model import DraftMemory, FrozenTarget
+from dspark_jax.draft.model import DraftMemory, FrozenTarget, make_draft_vocab
 from dspark_jax.groups import baseline
 from dspark_jax.groups.memory import group as memory
 from dspark_jax.groups.memory.model import (
@@ -56,20 +56,27 @@ def _batch(rng, t, anchors, loss_mask=None, positions=None, ids=None):
     }
 
 
-def _greedy_free_run(h_SxH, anchor_token, params, lm_head):
-    """Token-by-token greedy drafting in float64 NumPy: each choice's predecessor is the previous choice."""
+def _greedy_free_run(h_SxH, anchor_token, params, lm_head, vocab):
+    """Token-by-token greedy drafting in float64 NumPy: each choice's predecessor is the previous choice,
+    each choice the best of the draft vocabulary's ids `vocab`."""
     drafts, token = [], anchor_token
     for h in np.asarray(h_SxH, np.float64):
         logits = h @ lm_head + params["markov/w1"][token] @ params["markov/w2"]
-        token = int(np.argmax(logits))
+        token = int(vocab[np.argmax(logits[vocab])])
         drafts.append(token)
     return drafts
 
 
-def test_stage1_first_mismatch_equals_token_by_token_greedy():
+@pytest.mark.parametrize("vocab_size", [V, V // 2], ids=["whole-vocabulary", "draft-vocabulary"])
+def test_stage1_first_mismatch_equals_token_by_token_greedy(vocab_size):
     """Recorded continuations crafted to follow greedy for 0, 3, 7 and 5 tokens and then to diverge (with
-    later coincidental agreements): the parallel leading-match count equals greedy's first error."""
+    later coincidental agreements): the parallel leading-match count equals greedy's first error; with a
+    draft vocabulary (`train.draft_vocab`) greedy chooses among its ids."""
     model, params, frozen = _model()
+    vocab = np.sort(np.random.default_rng(7).choice(V, vocab_size, replace=False))
+    if vocab_size < V:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        frozen = frozen._replace(draft_vocab=make_draft_vocab(frozen.lm_head_HxV, vocab, one, one))
     rng = np.random.default_rng(1)
     t, anchors, follow = 44, [2, 12, 22, 32], [0, 3, 7, 5]
     batch = _batch(rng, t, anchors)
@@ -77,7 +84,7 @@ def test_stage1_first_mismatch_equals_token_by_token_greedy():
     lm_head = np.asarray(frozen.lm_head_HxV, np.float64)
     ids = np.asarray(batch["input_ids"])[0].copy()
     for n, (a, k) in enumerate(zip(anchors, follow)):
-        drafts = _greedy_free_run(h_BxNxSxH[0, n], ids[a], params, lm_head)
+        drafts = _greedy_free_run(h_BxNxSxH[0, n], ids[a], params, lm_head, vocab)
         ids[a + 1 : a + 1 + k] = drafts[:k]
         if k < 7:
             ids[a + 1 + k] = (drafts[k] + 1) % V  # the first error
@@ -88,7 +95,7 @@ def test_stage1_first_mismatch_equals_token_by_token_greedy():
     got = np.asarray(leading_matches(model, frozen, h, targets))[0]
     want = []
     for n, a in enumerate(anchors):
-        drafts = _greedy_free_run(h[0, n], ids[a], params, lm_head)
+        drafts = _greedy_free_run(h[0, n], ids[a], params, lm_head, vocab)
         want.append(next((i for i in range(7) if drafts[i] != ids[a + 1 + i]), 7))
     assert want == follow and got.tolist() == want
 

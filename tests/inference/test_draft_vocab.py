@@ -1,6 +1,8 @@
 """A decoding-time draft vocabulary: the draft proposes only its tokens, each the choice the whole
 vocabulary's corrected logits make among them, and decoding stays lossless (tiny target and draft)."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import pytest
 from configs import baseline
 from dspark_jax.inference import vocabulary
 from dspark_jax.inference.timing import cycle_programs
-from dspark_jax.run import decoding
+from dspark_jax.run import target_side
 from dspark_jax.target.generate import GREEDY, Generator
 from tests.inference.test_speculate import (  # noqa: F401
     EOS,
@@ -108,7 +110,10 @@ def test_a_draft_vocabulary_without_the_training_cache_is_refused_with_the_fix(t
     with pytest.raises(
         ValueError, match=r"ranks the training cache's tokens, and .*train_cache-.* is not there: "
     ):
-        decoding.training_vocabulary(config, "0" * 12, V, 8)
+        # The side's identity is all the cache path needs: no target is loaded before the refusal.
+        shape = types.SimpleNamespace(vocab_size=V)
+        side = types.SimpleNamespace(fingerprint="0" * 12, config=shape, eos_ids=())
+        target_side.training_vocabulary(config, side, 8)
 
 
 def test_bad_draft_vocabularies(parts, mesh1):  # noqa: F811

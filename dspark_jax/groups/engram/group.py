@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.draft import blocks
-from dspark_jax.draft.model import DSparkDraft, FrozenTarget
+from dspark_jax.draft.model import DSparkDraft, FrozenTarget, vocab_columns
 from dspark_jax.groups.baseline import block_states, objective_sums
 from dspark_jax.groups.engram import model as engram_lib
 from dspark_jax.groups.engram import prepare
@@ -82,7 +82,7 @@ def _markov_heads(model, frozen: FrozenTarget, chunk) -> dict[str, jax.Array]:
     features `e[a+i]`."""
     base_xSxV = model.base_logits(frozen, chunk["h"])  # the order `heads` computes them in: the same program
     m_xSxR = model.markov_features(chunk["h"], chunk["predecessors"], chunk[FEATURES])
-    return model.corrected(base_xSxV, chunk["h"], chunk["predecessors"], m_xR=m_xSxR)
+    return model.corrected(base_xSxV, chunk["h"], chunk["predecessors"], vocab_columns(frozen), m_xSxR)
 
 
 def engram_mask_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[str, jax.Array]:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.draft import blocks, objective
-from dspark_jax.draft.model import DraftConfig, DraftMemory, DSparkDraft, FrozenTarget
+from dspark_jax.draft.model import DraftConfig, DraftMemory, DSparkDraft, FrozenTarget, vocab_columns
 from dspark_jax.nn import Dtype, Linear, RMSNorm
 
 MEMORY_SOURCES = ("with_memory", "no_memory", "disabled")
@@ -104,9 +104,12 @@ def leading_matches(
     parallel. The vocabulary-sized argmax runs `anchor_chunk` blocks at a time.
     """
 
+    ids_N = vocab_columns(frozen)
+
     def choices(chunk):
         logits = draft.heads(frozen, chunk["h"], chunk["predecessors"])["logits"]
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return choice if ids_N is None else ids_N[choice]
 
     inputs = {"h": h_BxNxSxH, "predecessors": targets.predecessors}
     stacked = objective.scan_anchor_chunks(choices, inputs, draft.cfg.anchor_chunk)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from dspark_jax.draft import objective
 from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.errors import UsageError
 from dspark_jax.groups.baseline import block_states, objective_sums
 from dspark_jax.groups.registry import Batch, Design, Experiment, register
 from dspark_jax.groups.reranker import model as reranker_lib
@@ -142,6 +143,16 @@ REPORT_COLUMNS = (
 )
 
 
+def check_config(config) -> None:
+    """The reranker reads each slot's candidates as token ids of the whole vocabulary's logits."""
+    if config.train.get("draft_vocab", 0):
+        raise UsageError(
+            f"train.draft_vocab={config.train.draft_vocab}: the Prefix reranker trains over the whole "
+            "vocabulary's candidates; set train.draft_vocab=0 (decoding may still restrict its proposals: "
+            "generate.draft_vocab)"
+        )
+
+
 def _register(name: str, label: str, **kwargs) -> Experiment:
     return register(
         Experiment(
@@ -157,6 +168,7 @@ def _register(name: str, label: str, **kwargs) -> Experiment:
             config_class=reranker_lib.RerankerDraftConfig,
             shape_keys=("draft.rerank_width", "draft.rerank_heads", "draft.rerank_ffn"),
             sharding_rules=(("rerank", None),),
+            check_config=check_config,
             serving_gap="a reranking pass over each slot's top-k candidates conditioned on the drafted "
             "prefix, after the Markov correction (the engines choose each slot's token from the "
             "Markov-corrected logits alone)",

@@ -12,7 +12,8 @@ config's at the same preset (e.g. Draft Memory's two-stage step next to the base
 Step timing uses synthetic batches with each preset's exact shapes (values do not change
 the work), so no cache is needed; `paper` uses the seed's target shape without its weights.
 `--overrides` sets config keys (`section.key=value`, comma-separated) for every preset, e.g. one
-micro-batch per step to time the paper micro-step on one accelerator.
+micro-batch per step to time the paper micro-step on one accelerator, or `train.draft_vocab=8192` (the
+draft's logits over 8,192 of the vocabulary's columns).
 
 `--peak_tflops` (one device's dense bf16 peak, e.g. 989 for an H100/H200 SXM) adds the baseline draft's
 model FLOPs per step (`model_flops`: 6 x trainable weights x tokens, 4 x the frozen LM head per slot
@@ -41,7 +42,7 @@ from benchmarks.common import load_config_module
 from dspark_jax import groups, sharding
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.data.pipeline import to_global
-from dspark_jax.draft.model import DraftConfig, FrozenTarget
+from dspark_jax.draft.model import DraftConfig, FrozenTarget, make_draft_vocab
 from dspark_jax.groups.engram import prepare as engram_prepare
 from dspark_jax.groups.engram.group import TABLE
 from dspark_jax.run import draft_state, online
@@ -133,6 +134,13 @@ def time_step(
         ),
         replicated,
     )
+    if (
+        size := config.train.draft_vocab
+    ):  # `train.draft_vocab=N`: N columns (which ones does not change the work)
+        ids_K = np.arange(size, dtype=np.int32)
+        frozen = frozen._replace(
+            draft_vocab=make_draft_vocab(frozen.lm_head_HxV, ids_K, replicated, replicated)
+        )
     micro_rows = config.train.global_batch // config.train.grad_accum
     host_batch = batch_lib.synthetic(
         micro_rows, batch_lib.Dims.of(config, target.hidden_size), target.vocab_size

@@ -20,7 +20,7 @@ same letters. Every name in the package, its tests and benchmarks follows this o
   R  Markov rank
   F  rotary frequencies (D/2)
   L  layers
-  K  candidates per slot (top-K)
+  K  candidates per slot (top-K), or the tokens of a draft vocabulary
   U  hashed n-gram feature width (Z * W)
   Z  n-gram hash heads (orders x heads per order)
   W  row width of one hash head

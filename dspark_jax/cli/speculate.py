@@ -76,7 +76,8 @@ _DRAFT_LEN = flags.DEFINE_integer(
 _DRAFT_VOCAB = flags.DEFINE_integer(
     "draft_vocab",
     None,
-    "Tokens the draft may propose: the N its training responses use most (0 = all); default: config.",
+    "Tokens the draft may propose: the N its training responses use most (0 = all); default: the run's "
+    "generate.draft_vocab, else the vocabulary it trained on (train.draft_vocab).",
 )
 
 

@@ -133,12 +133,12 @@ class DraftMemory(NamedTuple):
 
 
 class DraftVocab(NamedTuple):
-    """A draft vocabulary: the `N` token ids the draft may propose (ascending) and their columns of the
-    target's LM head `[H, N]`, so the draft's logits read `N` of the `V` columns (in training, where the
+    """A draft vocabulary: the `K` token ids the draft may propose (ascending) and their columns of the
+    target's LM head `[H, K]`, so the draft's logits read `K` of the `V` columns (in training, where the
     teacher keeps all `V`, and at decoding)."""
 
-    ids_N: jax.Array
-    lm_head_HxN: jax.Array
+    ids_K: jax.Array
+    lm_head_HxK: jax.Array
 
 
 class FrozenTarget(NamedTuple):
@@ -155,17 +155,17 @@ class FrozenTarget(NamedTuple):
     draft_vocab: DraftVocab | None = None
 
 
-def make_draft_vocab(lm_head_HxV: jax.Array, ids_N, ids_sharding, head_sharding) -> DraftVocab:
-    """The draft vocabulary of the token ids `ids_N` (sorted) and their columns of `lm_head_HxV`, placed
+def make_draft_vocab(lm_head_HxV: jax.Array, ids_K, ids_sharding, head_sharding) -> DraftVocab:
+    """The draft vocabulary of the token ids `ids_K` (sorted) and their columns of `lm_head_HxV`, placed
     with `ids_sharding` and `head_sharding`."""
-    ids_N = jax.device_put(np.sort(np.asarray(ids_N)).astype(np.int32), ids_sharding)
-    head_HxN = jax.jit(lambda head, ids: head[:, ids], out_shardings=head_sharding)(lm_head_HxV, ids_N)
-    return DraftVocab(ids_N, head_HxN)
+    ids_K = jax.device_put(np.sort(np.asarray(ids_K)).astype(np.int32), ids_sharding)
+    head_HxK = jax.jit(lambda head, ids: head[:, ids], out_shardings=head_sharding)(lm_head_HxV, ids_K)
+    return DraftVocab(ids_K, head_HxK)
 
 
 def vocab_columns(frozen: FrozenTarget) -> jax.Array | None:
-    """The token ids of the draft's logits' columns: the draft vocabulary's `[N]`, None for all `V`."""
-    return None if frozen.draft_vocab is None else frozen.draft_vocab.ids_N
+    """The token ids of the draft's logits' columns: the draft vocabulary's `[K]`, None for all `V`."""
+    return None if frozen.draft_vocab is None else frozen.draft_vocab.ids_K
 
 
 class DraftLayer(DecoderBlock):
@@ -338,13 +338,13 @@ class DSparkDraft(nnx.Module):
         return self.final_norm(x_BxNxSxH)
 
     def base_logits(self, frozen: FrozenTarget, h_xH: jax.Array) -> jax.Array:
-        """Float32 `h @ lm_head` (the frozen target head), `[..., V]`; `[..., N]` over the draft
+        """Float32 `h @ lm_head` (the frozen target head), `[..., V]`; `[..., K]` over the draft
         vocabulary's columns where `frozen.draft_vocab` is set (its ids: `vocab_columns`)."""
         vocab = frozen.draft_vocab
         return jnp.einsum(
             "...h,hv->...v",
             h_xH.astype(self.dtype),
-            (frozen.lm_head_HxV if vocab is None else vocab.lm_head_HxN).astype(self.dtype),
+            (frozen.lm_head_HxV if vocab is None else vocab.lm_head_HxK).astype(self.dtype),
             preferred_element_type=jnp.float32,
         )
 
@@ -382,7 +382,7 @@ class DSparkDraft(nnx.Module):
         predecessors_xS: jax.Array,
         m_xSxR: jax.Array | None = None,
     ) -> dict[str, jax.Array]:
-        """Corrected logits (float32 `[..., S, V]`, `[..., S, N]` over a draft vocabulary) and confidence
+        """Corrected logits (float32 `[..., S, V]`, `[..., S, K]` over a draft vocabulary) and confidence
         logits for teacher-forced predecessors (`m_xSxR` as `corrected`'s `m_xR`)."""
         base_xSxV = self.base_logits(frozen, h_xSxH)
         return self.corrected(base_xSxV, h_xSxH, predecessors_xS, vocab_columns(frozen), m_xSxR)

@@ -80,7 +80,7 @@ def position_weights(eval_mask_xS: jax.Array) -> jax.Array:
 def _chunk_sums(
     head_fn: HeadFn,
     lm_head_HxV: jax.Array,
-    vocab_ids_N: jax.Array | None,
+    vocab_ids_K: jax.Array | None,
     inputs: dict[str, jax.Array],
     teacher_hidden_BxCxSxH: jax.Array,
     labels_BxCxS: jax.Array,
@@ -90,7 +90,7 @@ def _chunk_sums(
     """All sums of one chunk of `C` anchors; see `block_objective_sums` for the keys (`record` adds the
     chunk's per-block records under `_BLOCKS`, see `recording_blocks`)."""
     out = head_fn(inputs)
-    logits_BxCxSxV = sharding.constrain(out["logits"].astype(jnp.float32), ("batch", None, None, "vocab"))
+    logits_BxCxSxK = sharding.constrain(out["logits"].astype(jnp.float32), ("batch", None, None, "vocab"))
     conf_logit_BxCxS = out["confidence_logit"].astype(jnp.float32)
     teacher_logits_BxCxSxV = jnp.einsum(
         "bcsh,hv->bcsv",
@@ -99,28 +99,28 @@ def _chunk_sums(
         preferred_element_type=jnp.float32,
     )
     p_BxCxSxV = jax.nn.softmax(teacher_logits_BxCxSxV, axis=-1)
-    log_q_BxCxSxN = jax.nn.log_softmax(logits_BxCxSxV, axis=-1)
-    q_BxCxSxN = jnp.exp(log_q_BxCxSxN)
+    log_q_BxCxSxK = jax.nn.log_softmax(logits_BxCxSxK, axis=-1)
+    q_BxCxSxK = jnp.exp(log_q_BxCxSxK)
 
     mask_BxCxS = eval_mask_BxCxS.astype(jnp.float32)
     valid_BxCxS = mask_BxCxS > 0
     label_BxCxS = labels_BxCxS.astype(jnp.int32)
-    if vocab_ids_N is None:  # the draft covers the whole vocabulary: N = V
-        p_BxCxSxN, p_outside_BxCxS, greedy_BxCxS = p_BxCxSxV, 0.0, jnp.argmax(logits_BxCxSxV, -1)
+    if vocab_ids_K is None:  # the draft covers the whole vocabulary: K = V
+        p_BxCxSxK, p_outside_BxCxS, greedy_BxCxS = p_BxCxSxV, 0.0, jnp.argmax(logits_BxCxSxK, -1)
     else:  # q is 0 outside the draft vocabulary: its teacher mass there counts whole in L1
-        p_BxCxSxN = jnp.take(p_BxCxSxV, vocab_ids_N, axis=-1)
-        p_outside_BxCxS = jnp.maximum(1.0 - jnp.sum(p_BxCxSxN, axis=-1), 0.0)
-        greedy_BxCxS = vocab_ids_N[jnp.argmax(logits_BxCxSxV, -1)]
+        p_BxCxSxK = jnp.take(p_BxCxSxV, vocab_ids_K, axis=-1)
+        p_outside_BxCxS = jnp.maximum(1.0 - jnp.sum(p_BxCxSxK, axis=-1), 0.0)
+        greedy_BxCxS = vocab_ids_K[jnp.argmax(logits_BxCxSxK, -1)]
         # A label outside the vocabulary has no column: its CE term is 0 (the draft cannot propose it).
-        column_BxCxS = jnp.searchsorted(vocab_ids_N, label_BxCxS)
-        column_BxCxS = jnp.minimum(column_BxCxS, vocab_ids_N.shape[0] - 1)
-        valid_ce_BxCxS = vocab_ids_N[column_BxCxS] == label_BxCxS
+        column_BxCxS = jnp.searchsorted(vocab_ids_K, label_BxCxS)
+        column_BxCxS = jnp.minimum(column_BxCxS, vocab_ids_K.shape[0] - 1)
+        valid_ce_BxCxS = vocab_ids_K[column_BxCxS] == label_BxCxS
         label_BxCxS = column_BxCxS
-    ce_BxCxS = -jnp.take_along_axis(log_q_BxCxSxN, label_BxCxS[..., None], axis=-1)[..., 0]
-    if vocab_ids_N is not None:
+    ce_BxCxS = -jnp.take_along_axis(log_q_BxCxSxK, label_BxCxS[..., None], axis=-1)[..., 0]
+    if vocab_ids_K is not None:
         ce_BxCxS = jnp.where(valid_ce_BxCxS, ce_BxCxS, 0.0)
-    l1_BxCxS = jnp.sum(jnp.abs(p_BxCxSxN - q_BxCxSxN), axis=-1) + p_outside_BxCxS
-    overlap_BxCxS = jax.lax.stop_gradient(jnp.sum(jnp.minimum(p_BxCxSxN, q_BxCxSxN), axis=-1))
+    l1_BxCxS = jnp.sum(jnp.abs(p_BxCxSxK - q_BxCxSxK), axis=-1) + p_outside_BxCxS
+    overlap_BxCxS = jax.lax.stop_gradient(jnp.sum(jnp.minimum(p_BxCxSxK, q_BxCxSxK), axis=-1))
     bce_BxCxS = jax.nn.softplus(conf_logit_BxCxS) - overlap_BxCxS * conf_logit_BxCxS
     conf_err_BxCxS = jax.nn.sigmoid(conf_logit_BxCxS) - overlap_BxCxS
 
@@ -181,7 +181,7 @@ def block_objective_sums(
     *,
     anchor_chunk: int,
     remat: bool = True,
-    vocab_ids_N: jax.Array | None = None,
+    vocab_ids_K: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
     """Loss numerators, denominators and metric sums of `B x N` blocks, `anchor_chunk` anchors at a time.
 
@@ -199,10 +199,10 @@ def block_objective_sums(
     vocabulary tensors for the backward pass instead of recomputing them (one forward less, `N / C`
     times the memory; a CPU demo's choice).
 
-    Draft vocabulary. With `vocab_ids_N` (the ascending ids of a draft vocabulary, `FrozenTarget.draft_vocab`)
-    the draft's logits are `[B, C, S, N]` over those ids only and `q` is 0 elsewhere; the teacher `p` keeps
+    Draft vocabulary. With `vocab_ids_K` (the ascending ids of a draft vocabulary, `FrozenTarget.draft_vocab`)
+    the draft's logits are `[B, C, S, K]` over those ids only and `q` is 0 elsewhere; the teacher `p` keeps
     the whole vocabulary, so the sums are those of that `q` against the same `p`: `L1` adds the teacher's
-    mass outside the `N` ids, `a_i` sums over them, and a label outside them adds no CE (it is still a
+    mass outside the `K` ids, `a_i` sums over them, and a label outside them adds no CE (it is still a
     valid prediction: weights, tau and accept rates count it, with the acceptance the draft gets).
 
     Returns f32 sums: `ce`, `l1`, `bce` (position-weighted numerators), `weight` (sum of `w`),
@@ -215,7 +215,7 @@ def block_objective_sums(
     predictions), plus the `extra_sums` of `head_fn`.
     """
     record = bool(_RECORDERS)
-    body = lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, vocab_ids_N, *chunk_xs, record=record)
+    body = lambda chunk_xs: _chunk_sums(head_fn, lm_head_HxV, vocab_ids_K, *chunk_xs, record=record)
     xs = (dict(head_inputs), teacher_hidden_BxNxSxH, labels_BxNxS, eval_mask_BxNxS)
     per_chunk = scan_anchor_chunks(body, xs, anchor_chunk, remat=remat)
     if record:

@@ -69,7 +69,7 @@ def objective_sums(
         targets.eval_mask,
         anchor_chunk=cfg.anchor_chunk,
         remat=cfg.remat,
-        vocab_ids_N=vocab_columns(frozen),
+        vocab_ids_K=vocab_columns(frozen),
     )
 
 

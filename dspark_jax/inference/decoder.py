@@ -206,18 +206,18 @@ class SpeculativeDecoder(BatchedDecoding):
     def draft_vocab_size(self) -> int:
         """Tokens the draft may propose; 0 = the whole vocabulary."""
         vocab = self.frozen.draft_vocab
-        return 0 if vocab is None else vocab.ids_N.shape[0]
+        return 0 if vocab is None else vocab.ids_K.shape[0]
 
     def _vocab(self, frozen: FrozenTarget, ids: Sequence[int] | np.ndarray) -> DraftVocab:
         """The draft vocabulary of token `ids` on this decoder's mesh (replicated), checked."""
-        ids_N = np.asarray(ids)
+        ids_K = np.asarray(ids)
         vocab = frozen.lm_head_HxV.shape[1]
-        if ids_N.ndim != 1 or not len(ids_N) or not np.issubdtype(ids_N.dtype, np.integer):
-            raise ValueError(f"draft_vocab must be a non-empty list of token ids, got shape {ids_N.shape}")
-        if ids_N.min() < 0 or ids_N.max() >= vocab or len(np.unique(ids_N)) != len(ids_N):
+        if ids_K.ndim != 1 or not len(ids_K) or not np.issubdtype(ids_K.dtype, np.integer):
+            raise ValueError(f"draft_vocab must be a non-empty list of token ids, got shape {ids_K.shape}")
+        if ids_K.min() < 0 or ids_K.max() >= vocab or len(np.unique(ids_K)) != len(ids_K):
             raise ValueError(f"draft_vocab must hold distinct token ids in 0..{vocab - 1}")
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        return make_draft_vocab(frozen.lm_head_HxV, ids_N, replicated, replicated)
+        return make_draft_vocab(frozen.lm_head_HxV, ids_K, replicated, replicated)
 
     def target_only(self) -> Generator:
         """Target-only decoding with this decoder's target, batching and mesh: the speed baseline, and

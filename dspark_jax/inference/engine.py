@@ -11,7 +11,7 @@ known but not yet fed to the target. One cycle:
    (the choice is then among those K: still lossless, the target decides what is emitted);
    `draft_len = L` selects the first `L` slots only: a shorter block, for hardware where a verification
    forward's cost grows fast with its width (e.g. a CPU); a draft vocabulary (`FrozenTarget.draft_vocab`)
-   restricts the choices to its `N` tokens, so the selection reads `N` of the LM head's `V` columns;
+   restricts the choices to its `K` tokens, so the selection reads `K` of the LM head's `V` columns;
 3. schedule: how many proposals `l` each row verifies: all of them (`fixed`), or the prefix scheduler's
    choice from the calibrated confidences (`confidence`, `dspark_jax.inference.scheduler`);
 4. verify: the target runs `[x[p], d_1..d_l]` in one forward with its KV cache (a padded bucket width
@@ -144,7 +144,7 @@ def candidates(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Each slot's candidate tokens and their base logits, from one pass over the LM head for the block:
     `(base [B, S, C], ids [B, S, C])`, `C` = the vocabulary `V` (ids None: all of it, in order), the draft
-    vocabulary's `N` (`frozen.draft_vocab`: its columns of the head only) or, with `top_k = K`, the `K`
+    vocabulary's tokens (`frozen.draft_vocab`: its columns of the head only) or, with `top_k = K`, the `K`
     best of those."""
     base_BxSxC, ids_C = draft.base_logits(frozen, h_BxSxH), vocab_columns(frozen)
     if not top_k:
@@ -178,7 +178,7 @@ def markov_select(
 
     With `settings.select_top_k = K` each slot's candidates are its K best base logits and the Markov
     correction reads only their K columns of `W2` (the full `[R, V]` matrix is otherwise read once per
-    slot); with a draft vocabulary (`frozen.draft_vocab`) they come from its `N` ids only (`candidates`).
+    slot); with a draft vocabulary (`frozen.draft_vocab`) they come from its `K` ids only (`candidates`).
     The proposals' logits are `-inf` outside the candidates, so sampled acceptance uses the distribution
     the token was actually drawn from. With `settings.draft_len = L` only the first `L` slots are selected
     (`Proposals` of `L` columns).

@@ -1,8 +1,8 @@
 """A draft vocabulary for decoding: the tokens the draft may propose, ranked by how often the training
 text uses them (frequency-ranked drafting, as FR-Spec and EAGLE-3's reduced draft vocabularies).
 
-A selection then reads `N` of the LM head's `V` columns: on hardware where that pass is a large part of a
-cycle (a CPU, or a target with a large vocabulary) the cycle shortens, and a proposal outside the `N`
+A selection then reads `K` of the LM head's `V` columns: on hardware where that pass is a large part of a
+cycle (a CPU, or a target with a large vocabulary) the cycle shortens, and a proposal outside the `K`
 tokens is simply never made (the target still decides what is emitted: lossless).
 """
 
@@ -23,7 +23,7 @@ def most_frequent(counts_V: np.ndarray, size: int, always: Sequence[int] = ()) -
     return np.union1d(ranked, np.asarray(always, np.int64)).astype(np.int32)
 
 
-def coverage(counts_V: np.ndarray, ids_N: np.ndarray) -> float:
-    """Share of the counted tokens that the vocabulary `ids_N` holds."""
+def coverage(counts_V: np.ndarray, ids_K: np.ndarray) -> float:
+    """Share of the counted tokens that the vocabulary `ids_K` holds."""
     counts_V = np.asarray(counts_V, np.float64)
-    return float(counts_V[ids_N].sum() / max(counts_V.sum(), 1.0))
+    return float(counts_V[ids_K].sum() / max(counts_V.sum(), 1.0))

@@ -211,22 +211,22 @@ def training_vocabulary(config, side: TargetSide, size: int, path: str | None = 
             "generate.draft_vocab=0"
         ) from None
     counts_V = source.token_counts(side.config.vocab_size)
-    ids_N = vocabulary.most_frequent(counts_V, size, always=side.eos_ids)
+    ids_K = vocabulary.most_frequent(counts_V, size, always=side.eos_ids)
     log.info(
         "draft vocabulary: %d tokens covering %.2f%% of the training responses' tokens (%s)",
-        len(ids_N),
-        100 * vocabulary.coverage(counts_V, ids_N),
+        len(ids_K),
+        100 * vocabulary.coverage(counts_V, ids_K),
         path,
     )
-    return ids_N
+    return ids_K
 
 
-def with_draft_vocab(side: TargetSide, ids_N: np.ndarray, mesh: Mesh) -> TargetSide:
-    """`side` whose draft logits cover the token ids `ids_N` only (`FrozenTarget.draft_vocab`): the ids
+def with_draft_vocab(side: TargetSide, ids_K: np.ndarray, mesh: Mesh) -> TargetSide:
+    """`side` whose draft logits cover the token ids `ids_K` only (`FrozenTarget.draft_vocab`): the ids
     replicated, their LM-head columns placed as the head is."""
     head_HxV = side.frozen.lm_head_HxV
-    spec = sharding.logical_to_spec(("embed", "vocab"), (head_HxV.shape[0], len(ids_N)), mesh)
-    vocab = make_draft_vocab(head_HxV, ids_N, NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, spec))
+    spec = sharding.logical_to_spec(("embed", "vocab"), (head_HxV.shape[0], len(ids_K)), mesh)
+    vocab = make_draft_vocab(head_HxV, ids_K, NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, spec))
     frozen = side.frozen._replace(draft_vocab=vocab)
     return dataclasses.replace(side, frozen=frozen)
 

@@ -102,7 +102,7 @@ def _sums_of(prob, eval_mask, chunk, vocab=None):
         prob["labels"],
         eval_mask,
         anchor_chunk=chunk,
-        vocab_ids_N=None if vocab is None else jnp.asarray(vocab, jnp.int32),
+        vocab_ids_K=None if vocab is None else jnp.asarray(vocab, jnp.int32),
     )
 
 

@@ -104,12 +104,12 @@ def leading_matches(
     parallel. The vocabulary-sized argmax runs `anchor_chunk` blocks at a time.
     """
 
-    ids_N = vocab_columns(frozen)
+    ids_K = vocab_columns(frozen)
 
     def choices(chunk):
         logits = draft.heads(frozen, chunk["h"], chunk["predecessors"])["logits"]
         choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return choice if ids_N is None else ids_N[choice]
+        return choice if ids_K is None else ids_K[choice]
 
     inputs = {"h": h_BxNxSxH, "predecessors": targets.predecessors}
     stacked = objective.scan_anchor_chunks(choices, inputs, draft.cfg.anchor_chunk)

@@ -313,6 +313,18 @@ def test_a_group_no_engine_runs_is_refused_naming_what_is_missing_where(group, t
     assert not (tmp_path / "out").exists()
 
 
+def test_a_draft_trained_over_a_draft_vocabulary_is_refused_with_the_fix(tmp_path):
+    """Its Markov head trained only its vocabulary's columns, and the engines propose over all of them."""
+    config = baseline.get_config("smoke")
+    config.train.draft_vocab = 64
+    with pytest.raises(
+        ValueError, match=r"^train.draft_vocab=64: the serving engines' DSpark drafts"
+    ) as error:
+        export_draft(config, tmp_path / "no_run", tmp_path / "out")
+    assert "train.draft_vocab=0" in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_baseline_part_of_a_group_exports_when_asked_and_says_so(served, mesh8):
     tmp = served[0]
     config = memory.get_config("smoke")

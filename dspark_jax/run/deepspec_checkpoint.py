@@ -187,6 +187,12 @@ def export_draft(
     named = {t.path for t in layout.tensor_layout(cfg).values()}
     shapes = {p: x.shape for p, x in _flat(abstract).items()}
     left_out = _left_out(config, cfg, shapes, named, baseline_part)
+    if size := config.train.get("draft_vocab", 0):
+        raise ValueError(
+            f"train.draft_vocab={size}: the serving engines' DSpark drafts propose over the whole vocabulary "
+            "(DeepSpec's layout has no draft-to-target id map), and this draft's Markov head trained only "
+            "its vocabulary's columns; export a draft trained with train.draft_vocab=0"
+        )
     if sts_mode not in calibration.MODES:
         raise ValueError(f"STS mode must be one of {calibration.MODES}, got {sts_mode!r}")
     aux_ids = config.data.aux_layer_ids

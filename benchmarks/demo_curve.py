@@ -3,7 +3,9 @@
   python benchmarks/demo_curve.py --run=old=results/baseline-demo-2026-11-30 --run=new=WORKDIR \
       [--svg=curve.svg]
 
-Each `--run=LABEL=DIR` names a directory with the run's `metrics.jsonl` and `summary.json`. Minutes
+Each `--run=LABEL=DIR` names a directory with the run's `metrics.jsonl` and `summary.json`;
+`--caches_from=LABEL=DIR` adds the cache minutes of the run in DIR to LABEL's clock (a run that reused
+the caches another built: the curve a fresh machine would see). Minutes
 count from the start of the `train` command (cache build, compiles and evaluations included): a
 run's own `eval/wall_minutes` where it logged them, else rebuilt from its summary and step times
 (caches + setup + first step, then each logged step's `train/step_seconds` for the steps since the
@@ -88,12 +90,22 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--run", action="append", required=True, help="LABEL=DIR (repeat)")
+    parser.add_argument(
+        "--caches_from",
+        action="append",
+        default=[],
+        help="LABEL=DIR: LABEL's run reused the caches DIR's run built; add DIR's cache minutes to its clock",
+    )
     parser.add_argument("--svg", default="", help="write the plot here")
     args = parser.parse_args()
     curves = {}
     for item in args.run:
         label, _, directory = item.partition("=")
         curves[label] = curve(Path(directory))
+    for item in args.caches_from:
+        label, _, directory = item.partition("=")
+        minutes = json.loads((Path(directory) / "summary.json").read_text())["seconds"]["caches"] / 60
+        curves[label] = [(m + minutes, step, tau) for m, step, tau in curves[label]]
     for label, c in curves.items():
         print(f"{label}:")
         print(f"  {'minutes':>8s} {'step':>6s} {'tau_prob':>9s}")

@@ -1,6 +1,7 @@
 """The prefix reranker (joint group, offline): DSpark's choice at initialisation (ties included), the
 reranked tau as a top-K truncation, and every rerank metric and the rank loss against NumPy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -202,6 +203,28 @@ def test_no_hit_anywhere_gives_a_zero_rank_loss():
     model, _, frozen, jb, *_ = _setup(0, 1, randomize=False)
     sums = reranker_group.reranker_sums(model, frozen, {**jb, "block_keep": jnp.zeros_like(jb["block_keep"])})
     assert float(sums["rank_weight"]) == 0 and float(reranker_group.reranker_metrics(sums)["rank_loss"]) == 0
+
+
+def test_over_a_draft_vocabulary_it_reranks_as_the_whole_vocabulary_with_the_rest_excluded():
+    """Logits over a draft vocabulary's ids (`train.draft_vocab`) give the candidates (as vocabulary ids),
+    scores and rerank sums of the whole vocabulary's logits with every other id at -1e30."""
+    model, _, _, _, targets, h, logits, _ = _setup(5, 8)
+    vocab = np.sort(np.random.default_rng(5).choice(V, V // 2, replace=False))
+    masked = np.full(logits.shape, -1e30, np.float32)
+    masked[..., vocab] = np.asarray(logits)[..., vocab]
+    restricted = jnp.asarray(np.asarray(logits)[..., vocab])
+    whole = model.rerank(h, jnp.asarray(masked), targets.predecessors)
+    part = model.rerank(h, restricted, targets.predecessors, jnp.asarray(vocab))
+    np.testing.assert_array_equal(part.candidates_xSxK, whole.candidates_xSxK)
+    np.testing.assert_allclose(part.scores_xSxK, whole.scores_xSxK, rtol=1e-6)
+    # A teacher that agrees with the draft's greedy choice: the agreement sums count ids, not columns.
+    teacher = jax.nn.softmax(jnp.asarray(masked), axis=-1)
+    args = teacher, targets.labels, targets.eval_mask.astype(jnp.float32)
+    want = reranker_group.rerank_sums(jnp.asarray(masked), whole, *args)
+    got = reranker_group.rerank_sums(restricted, part, *args, jnp.asarray(vocab))
+    assert want["agree_before"] == jnp.sum(targets.eval_mask > 0) > 0
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("bad", [{"rerank_candidates": 0}, {"rerank_width": 30}])

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.draft import objective
-from dspark_jax.draft.model import FrozenTarget
+from dspark_jax.draft.model import FrozenTarget, vocab_columns
 from dspark_jax.groups.baseline import block_states
 from dspark_jax.groups.registry import Batch
 from dspark_jax.groups.reranker.model import RerankerDraft
@@ -32,7 +32,8 @@ def choice_margins(model: RerankerDraft, frozen: FrozenTarget, batch: Batch) -> 
     def margins(chunk):
         logits = model.heads(frozen, chunk["h"], chunk["predecessors"])["logits"].astype(jnp.float32)
         top_xK = jax.lax.top_k(logits, model.cfg.rerank_candidates)[0]
-        scores_xK = model.rerank(chunk["h"], logits, chunk["predecessors"]).scores_xSxK.astype(jnp.float32)
+        reranked = model.rerank(chunk["h"], logits, chunk["predecessors"], vocab_columns(frozen))
+        scores_xK = reranked.scores_xSxK.astype(jnp.float32)
         delta_xK = scores_xK - top_xK
         r_xW = model.reranker.prefix(model.markov.features(chunk["predecessors"]).astype(model.dtype))
         query_inputs_xW = model.reranker.query_inputs(chunk["h"].astype(model.dtype), r_xW)

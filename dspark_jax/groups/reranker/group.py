@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.draft import objective
-from dspark_jax.draft.model import FrozenTarget
-from dspark_jax.errors import UsageError
+from dspark_jax.draft.model import FrozenTarget, vocab_columns
 from dspark_jax.groups.baseline import block_states, objective_sums
 from dspark_jax.groups.registry import Batch, Design, Experiment, register
 from dspark_jax.groups.reranker import model as reranker_lib
@@ -34,9 +33,15 @@ RERANK_LOSS: objective.LossTerms = {**objective.DSPARK_LOSS, "rank_weight": {"ra
 
 
 def rerank_sums(
-    logits_xSxV: jax.Array, reranked: reranker_lib.Reranked, p_xSxV: jax.Array, labels_xS, mask_xS
+    logits_xSxK: jax.Array,
+    reranked: reranker_lib.Reranked,
+    p_xSxV: jax.Array,
+    labels_xS,
+    mask_xS,
+    columns_K: jax.Array | None = None,
 ) -> dict[str, jax.Array]:
-    """The rank loss and rerank metric sums of teacher-forced blocks `[..., S]` (see the module doc)."""
+    """The rank loss and rerank metric sums of teacher-forced blocks `[..., S]` (see the module doc); the
+    draft's logits cover the vocabulary ids `columns_K` where a draft vocabulary is set (None: all)."""
     candidates_xSxK, scores_xSxK = reranked
     valid_xS = mask_xS > 0
     weight_xS = objective.position_weights(mask_xS)
@@ -52,7 +57,8 @@ def rerank_sums(
     tau_x = 1.0 + jnp.sum(jnp.cumprod(accepted_xS, axis=-1), axis=-1)
     best_xS = jnp.argmax(scores_xSxK, axis=-1)
     choice_xS = jnp.take_along_axis(candidates_xSxK, best_xS[..., None], axis=-1)[..., 0]
-    before_xS = jnp.argmax(logits_xSxV, axis=-1).astype(choice_xS.dtype)
+    before_xS = jnp.argmax(logits_xSxK, axis=-1)
+    before_xS = (before_xS if columns_K is None else columns_K[before_xS]).astype(choice_xS.dtype)
 
     def agree(c_xS):
         return jnp.sum((c_xS == v_star_xS) & valid_xS)
@@ -77,9 +83,12 @@ def rerank_sums(
 
 def _reranked_heads(model: reranker_lib.RerankerDraft, frozen: FrozenTarget, chunk) -> dict:
     out = model.heads(frozen, chunk["h"], chunk["predecessors"])
-    reranked = model.rerank(chunk["h"], out["logits"], chunk["predecessors"])
+    columns_K = vocab_columns(frozen)
+    reranked = model.rerank(chunk["h"], out["logits"], chunk["predecessors"], columns_K)
     return out | {
-        "teacher_sums": lambda p, labels, mask: rerank_sums(out["logits"], reranked, p, labels, mask)
+        "teacher_sums": lambda p, labels, mask: rerank_sums(
+            out["logits"], reranked, p, labels, mask, columns_K
+        )
     }
 
 
@@ -143,16 +152,6 @@ REPORT_COLUMNS = (
 )
 
 
-def check_config(config) -> None:
-    """The reranker reads each slot's candidates as token ids of the whole vocabulary's logits."""
-    if config.train.get("draft_vocab", 0):
-        raise UsageError(
-            f"train.draft_vocab={config.train.draft_vocab}: the Prefix reranker trains over the whole "
-            "vocabulary's candidates; set train.draft_vocab=0 (decoding may still restrict its proposals: "
-            "generate.draft_vocab)"
-        )
-
-
 def _register(name: str, label: str, **kwargs) -> Experiment:
     return register(
         Experiment(
@@ -168,7 +167,6 @@ def _register(name: str, label: str, **kwargs) -> Experiment:
             config_class=reranker_lib.RerankerDraftConfig,
             shape_keys=("draft.rerank_width", "draft.rerank_heads", "draft.rerank_ffn"),
             sharding_rules=(("rerank", None),),
-            check_config=check_config,
             serving_gap="a reranking pass over each slot's top-k candidates conditioned on the drafted "
             "prefix, after the Markov correction (the engines choose each slot's token from the "
             "Markov-corrected logits alone)",

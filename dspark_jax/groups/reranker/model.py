@@ -144,18 +144,25 @@ class RerankerDraft(DSparkDraft):
             cfg, rngs=rngs, param_dtype=jnp.dtype(param_dtype or cfg.param_dtype), dtype=self.dtype
         )
 
-    def rerank(self, h_xSxH: jax.Array, logits_xSxV: jax.Array, predecessors_xS: jax.Array) -> Reranked:
-        """Teacher-forced reranking of a whole block: `[t_0..t_i]` are the given predecessors."""
+    def rerank(
+        self, h_xSxH: jax.Array, logits_xSxV: jax.Array, predecessors_xS: jax.Array, columns_K=None
+    ) -> Reranked:
+        """Teacher-forced reranking of a whole block: `[t_0..t_i]` are the given predecessors; `columns_K`
+        the vocabulary ids of the logits' columns where they cover a draft vocabulary."""
         r_xSxW = self.reranker.prefix(self.markov.features(predecessors_xS).astype(self.dtype))
-        return self.score(h_xSxH, r_xSxW, logits_xSxV)
+        return self.score(h_xSxH, r_xSxW, logits_xSxV, columns_K)
 
     def score(self, h_xH: jax.Array, r_xW: jax.Array, logits_xV: jax.Array, columns_xV=None) -> Reranked:
-        """The top-K candidates of `logits` (at vocabulary ids `columns`, default `0..V-1`) and their
+        """The top-K candidates of `logits` (at vocabulary ids `columns`: each row's own `[..., V]`, or one
+        draft vocabulary's `[V]` every row shares; default `0..V-1`) and their
         scores `l(v) + u . k_v / sqrt(W)` for draft states `h` and prefix representations `r`; `K` =
         `rerank_candidates`, or all of `logits` where it has fewer (a decoder's smaller `select_top_k` or
         draft vocabulary: each candidate's score is its own)."""
         top_xK, index_xK = jax.lax.top_k(logits_xV, min(self.cfg.rerank_candidates, logits_xV.shape[-1]))
-        candidates_xK = index_xK if columns_xV is None else jnp.take_along_axis(columns_xV, index_xK, axis=-1)
+        if columns_xV is None or columns_xV.ndim == 1:
+            candidates_xK = index_xK if columns_xV is None else columns_xV[index_xK]
+        else:
+            candidates_xK = jnp.take_along_axis(columns_xV, index_xK, axis=-1)
         u_xW = self.reranker.queries(h_xH.astype(self.dtype), r_xW)
         e_out_xKxR = out_rows(self.markov, candidates_xK).astype(self.dtype)
         return Reranked(candidates_xK, top_xK + self.reranker.deltas(u_xW, e_out_xKxR))

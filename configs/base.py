@@ -105,12 +105,12 @@ Keys:
   train.peak_lr             AdamW peak learning rate (3e-4).
   train.warmup_fraction     linear warmup share of `total_steps` (0.04).
   train.weight_decay        AdamW weight decay (0).
-  train.draft_vocab         the draft's logits cover only the N tokens the training responses use most (plus
+  train.draft_vocab         the draft's logits cover only the K tokens the training responses use most (plus
                             EOS), the teacher keeps the whole vocabulary (L1 counts its mass outside; a label
-                            outside adds no CE): the draft's vocabulary-sized work shrinks V/N-fold; decoding
-                            proposes from the same N tokens (0 = the whole vocabulary, 49,152 for SmolLM2;
-                            demo 8,192: the demo's responses use ~5,000 distinct tokens, and its step takes
-                            half the time with eval tau_prob 1.848 against 1.782, results/demo-vocab-2026-12-05).
+                            outside adds no CE): the draft's vocabulary-sized work shrinks V/K-fold; decoding
+                            proposes from the same K tokens (0 = the whole vocabulary, 49,152 for SmolLM2;
+                            demo 8,192: its responses use ~5,000 distinct tokens, and its step takes half the
+                            time, eval tau_prob 1.848 against 1.782: results/demo-vocab-2026-12-05).
   train.clip_norm           global gradient-norm clip (1.0).
   train.b1/b2/eps           AdamW moments.
   train.checkpoint_every    steps between orbax checkpoints (651).

@@ -56,9 +56,10 @@ def _batch(rng, t, anchors, loss_mask=None, positions=None, ids=None):
     }
 
 
-def _greedy_free_run(h_SxH, anchor_token, params, lm_head, vocab):
+def _greedy_free_run(h_SxH, anchor_token, params, lm_head, vocab=None):
     """Token-by-token greedy drafting in float64 NumPy: each choice's predecessor is the previous choice,
-    each choice the best of the draft vocabulary's ids `vocab`."""
+    each choice the best of the draft vocabulary's ids `vocab` (default: the whole vocabulary)."""
+    vocab = np.arange(lm_head.shape[1]) if vocab is None else vocab
     drafts, token = [], anchor_token
     for h in np.asarray(h_SxH, np.float64):
         logits = h @ lm_head + params["markov/w1"][token] @ params["markov/w2"]

@@ -66,7 +66,7 @@ def test_every_group_trains_evaluates_and_decodes_losslessly_over_a_draft_vocabu
     side = target_side.side_from_target(target, mesh)
     want = target_side.training_vocabulary(config, side, SIZE)
     assert decoder.draft_vocab_size == len(want) >= SIZE  # the training vocabulary by default, EOS in it
-    np.testing.assert_array_equal(jax.device_get(decoder.frozen.draft_vocab.ids_N), want)
+    np.testing.assert_array_equal(jax.device_get(decoder.frozen.draft_vocab.ids_K), want)
     result = measure.speculate(
         decoder,
         step,

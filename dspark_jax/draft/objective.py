@@ -104,7 +104,8 @@ def _chunk_sums(
 
     mask_BxCxS = eval_mask_BxCxS.astype(jnp.float32)
     valid_BxCxS = mask_BxCxS > 0
-    label_BxCxS = labels_BxCxS.astype(jnp.int32)
+    column_BxCxS = labels_BxCxS.astype(jnp.int32)  # each label's column of the draft's logits
+    has_column_BxCxS = True
     if vocab_ids_K is None:  # the draft covers the whole vocabulary: K = V
         p_BxCxSxK, p_outside_BxCxS, greedy_BxCxS = p_BxCxSxV, 0.0, jnp.argmax(logits_BxCxSxK, -1)
     else:  # q is 0 outside the draft vocabulary: its teacher mass there counts whole in L1
@@ -112,13 +113,11 @@ def _chunk_sums(
         p_outside_BxCxS = jnp.maximum(1.0 - jnp.sum(p_BxCxSxK, axis=-1), 0.0)
         greedy_BxCxS = vocab_ids_K[jnp.argmax(logits_BxCxSxK, -1)]
         # A label outside the vocabulary has no column: its CE term is 0 (the draft cannot propose it).
-        column_BxCxS = jnp.searchsorted(vocab_ids_K, label_BxCxS)
-        column_BxCxS = jnp.minimum(column_BxCxS, vocab_ids_K.shape[0] - 1)
-        valid_ce_BxCxS = vocab_ids_K[column_BxCxS] == label_BxCxS
-        label_BxCxS = column_BxCxS
-    ce_BxCxS = -jnp.take_along_axis(log_q_BxCxSxK, label_BxCxS[..., None], axis=-1)[..., 0]
-    if vocab_ids_K is not None:
-        ce_BxCxS = jnp.where(valid_ce_BxCxS, ce_BxCxS, 0.0)
+        found_BxCxS = jnp.minimum(jnp.searchsorted(vocab_ids_K, column_BxCxS), vocab_ids_K.shape[0] - 1)
+        has_column_BxCxS = vocab_ids_K[found_BxCxS] == column_BxCxS
+        column_BxCxS = found_BxCxS
+    ce_BxCxS = -jnp.take_along_axis(log_q_BxCxSxK, column_BxCxS[..., None], axis=-1)[..., 0]
+    ce_BxCxS = jnp.where(has_column_BxCxS, ce_BxCxS, 0.0)
     l1_BxCxS = jnp.sum(jnp.abs(p_BxCxSxK - q_BxCxSxK), axis=-1) + p_outside_BxCxS
     overlap_BxCxS = jax.lax.stop_gradient(jnp.sum(jnp.minimum(p_BxCxSxK, q_BxCxSxK), axis=-1))
     bce_BxCxS = jax.nn.softplus(conf_logit_BxCxS) - overlap_BxCxS * conf_logit_BxCxS

@@ -8,8 +8,8 @@ One row per selection rule (`--select_top_k`: 0 = the Markov correction over the
 over each slot's K best base logits), proposals per cycle (`--draft_len`: the block's first L, 0 = all) and
 draft vocabulary (`--draft_vocab`: the N tokens the run's training responses use most, 0 = all; needs the
 run's training cache):
-cycle phases, break-even MAL (cycle time / target-only decode
-step), MAL, tokens/s, speedup, and how many outputs equal target-only decoding's.
+cycle phases, break-even MAL (the decode loop's time per iteration / the target-only decode step, both
+with the prefill taken out), MAL, tokens/s, speedup, and how many outputs equal target-only decoding's.
 
 Runs on the demo target (SmolLM2). With `--checkpoint` the run's stored config picks the
 experiment group and draft shape; without it the draft of `--config`'s demo preset is
@@ -62,6 +62,20 @@ def target_forward_ms(target, rows: int, context: int, tokens: int, repeats: int
     for _ in range(repeats):
         jax.block_until_ready(forward(state, cache, tokens_BxT))
     return 1e3 * (time.perf_counter() - begin) / repeats
+
+
+def target_decode_step_ms(plain, prompts, outputs, *, max_new_tokens, params, seconds) -> float:
+    """Target-only milliseconds per decode step with the prefill taken out, as the loop's figure is: the timed
+    run's `seconds` less a run's that stops after the first token, over the steps each batch took after
+    its first (a batch steps until its longest row is done; a row's EOS is a step)."""
+    plain.generate(prompts, max_new_tokens=1, params=params)  # compile
+    plain.stats = GenerationStats()
+    plain.generate(prompts, max_new_tokens=1, params=params)
+    steps = 0
+    for start in range(0, len(prompts), plain.batch_size):
+        rows = outputs[start : start + plain.batch_size]
+        steps += min(max_new_tokens, max(len(r) + 1 for r in rows)) - 1
+    return 1e3 * (seconds - plain.stats.seconds) / max(steps, 1)
 
 
 def main():
@@ -125,6 +139,14 @@ def main():
             plain.stats = GenerationStats()
             reference = plain.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
             base = plain.stats.as_dict()
+            decode_ms = target_decode_step_ms(
+                plain,
+                prompts,
+                reference,
+                max_new_tokens=args.max_new_tokens,
+                params=sampling,
+                seconds=base["seconds"],
+            )
         decoder.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)  # compile
         decoder.report = SpecReport()  # keep the compiled programs, reset counts
         outputs = decoder.generate(prompts, max_new_tokens=args.max_new_tokens, params=sampling)
@@ -133,12 +155,14 @@ def main():
         same = sum(a == b for a, b in zip(outputs, reference))
         rows.append((top_k, decoder.draft_len, decoder.draft_vocab_size, phases, spec, same))
     draft_kind = f"trained ({args.checkpoint})" if args.checkpoint else "random init"
-    decode_ms = 1e3 * args.concurrency / base["tokens_per_second"]
     print(
         f"SmolLM2 target, draft {draft_kind}, {len(prompts)} GSM8K prompts, concurrency {args.concurrency}, "
         f"max_new {args.max_new_tokens}, temperature {args.temperature}"
     )
-    print(f"target-only: {base['tokens_per_second']:.1f} tokens/s, {decode_ms:.1f} ms per decode step")
+    print(
+        f"target-only: {base['tokens_per_second']:.1f} tokens/s (prefill included), {decode_ms:.1f} ms per "
+        "decode step (prefill taken out)"
+    )
     widths = sorted({1} | {n + 1 for _, n, *_ in rows})
     forward = {n: target_forward_ms(target, args.concurrency, 256, n) for n in widths}
     print(
@@ -147,7 +171,8 @@ def main():
     )
     print(
         "cycle = draft + select + verify, each its own program; loop = the decode loop's time per iteration, "
-        "prefill taken out; floor = verify forward + draft forward + one LM-head pass (ms)"
+        "prefill taken out; floor = verify forward + draft forward + one LM-head pass (ms); "
+        "break-even MAL = loop / target-only decode step, both without prefill"
     )
     print(
         f"{'selection':>11s} {'L':>2s} {'vocab':>6s} {'draft':>6s} {'select':>7s} {'verify':>7s} "

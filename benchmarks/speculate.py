@@ -9,7 +9,8 @@ over each slot's K best base logits), proposals per cycle (`--draft_len`: the bl
 draft vocabulary (`--draft_vocab`: the N tokens the run's training responses use most, 0 = all; needs the
 run's training cache):
 cycle phases, break-even MAL (the decode loop's time per iteration / the target-only decode step, both
-with the prefill taken out), MAL, tokens/s, speedup, and how many outputs equal target-only decoding's.
+with the prefill taken out), MAL, row use (the rows' cycles over loop iterations x concurrency: a batch
+loops until its slowest row is done), tokens/s, speedup, and how many outputs equal target-only decoding's.
 
 Runs on the demo target (SmolLM2). With `--checkpoint` the run's stored config picks the
 experiment group and draft shape; without it the draft of `--config`'s demo preset is
@@ -172,24 +173,27 @@ def main():
     print(
         "cycle = draft + select + verify, each its own program; loop = the decode loop's time per iteration, "
         "prefill taken out; floor = verify forward + draft forward + one LM-head pass (ms); "
-        "break-even MAL = loop / target-only decode step, both without prefill"
+        "break-even MAL = loop / target-only decode step, both without prefill; row use = rows' cycles / "
+        "(loop iterations x concurrency): a batch loops until its slowest row is done"
     )
     print(
         f"{'selection':>11s} {'L':>2s} {'vocab':>6s} {'draft':>6s} {'select':>7s} {'verify':>7s} "
         f"{'cycle':>6s} {'loop':>6s} "
         f"{'verify fwd':>10s} {'LM head':>8s} {'floor':>6s} {'loop/floor':>10s} {'break-even MAL':>14s} "
-        f"{'MAL':>5s} {'tokens/s':>8s} {'speedup':>7s} {'= target-only':>13s}"
+        f"{'MAL':>5s} {'row use':>7s} {'tokens/s':>8s} {'speedup':>7s} {'= target-only':>13s}"
     )
     for top_k, length, vocab, phases, spec, same in rows:
         name = "full vocab" if top_k == 0 else f"top-{top_k}"
         batches = len(spec["per_batch"]["seconds"])
+        row_use = spec["cycles"] / max(spec["loop_iterations"] * args.concurrency, 1)
         loop_ms = (1e3 * spec["seconds"] - batches * phases["prefill_ms"]) / max(spec["loop_iterations"], 1)
         print(
             f"{name:>11s} {length:2d} {vocab or 'all':>6} {phases['draft_ms']:6.1f} "
             f"{phases['select_ms']:7.1f} {phases['verify_ms']:7.1f} "
             f"{phases['cycle_ms']:6.1f} {loop_ms:6.1f} {phases['verify_forward_ms']:10.1f} "
             f"{phases['lm_head_ms']:8.1f} {phases['floor_ms']:6.1f} {loop_ms / phases['floor_ms']:10.2f} "
-            f"{loop_ms / decode_ms:14.2f} {spec['mal_pooled']:5.2f} {spec['tokens_per_second']:8.1f} "
+            f"{loop_ms / decode_ms:14.2f} {spec['mal_pooled']:5.2f} "
+            f"{row_use:7.2f} {spec['tokens_per_second']:8.1f} "
             f"{spec['tokens_per_second'] / base['tokens_per_second']:6.2f}x {same:>9d}/{len(prompts)}"
         )
 

@@ -28,13 +28,16 @@ from dspark_jax.target.chat import prompt_ids
 from dspark_jax.target.generate import GREEDY, GenerationStats, Generator, prompt_bucket
 
 
-def padded_tokens(chunks: list[list[list[int]]], batch: int) -> int:
+def batches(chunks: list[list[list[int]]], size: int):
+    """The generator's batches of the chunks, in order (a chunk's last batch may be short)."""
+    for chunk in chunks:
+        for i in range(0, len(chunk), size):
+            yield chunk[i : i + size]
+
+
+def padded_tokens(chunks: list[list[list[int]]], size: int) -> int:
     """Prefill tokens of the chunks' batches: rows x the bucket of each batch's longest prompt."""
-    return sum(
-        batch * prompt_bucket(max(len(p) for p in chunk[i : i + batch]))
-        for chunk in chunks
-        for i in range(0, len(chunk), batch)
-    )
+    return sum(size * prompt_bucket(max(map(len, batch))) for batch in batches(chunks, size))
 
 
 def main():
@@ -77,10 +80,8 @@ def main():
     }
     warm = {}  # one batch per prompt bucket: its programs compile and run once before any timing
     for arranged in arrangements.values():
-        for chunk in arranged:
-            for i in range(0, len(chunk), data.regen_batch_size):
-                batch = chunk[i : i + data.regen_batch_size]
-                warm.setdefault(prompt_bucket(max(map(len, batch))), batch)
+        for batch in batches(arranged, data.regen_batch_size):
+            warm.setdefault(prompt_bucket(max(map(len, batch))), batch)
     for batch in warm.values():
         generator.generate(batch, max_new_tokens=data.regen_max_new_tokens, params=GREEDY)
     replies, rows = {}, []

@@ -10,13 +10,13 @@ A conversation is cut before the first turn whose prompt exceeds `max_prompt_tok
 then also has `"truncated": reason`); one whose first turn is already too long is written as
 `{"index": i, "skipped": reason}`.
 
-Runs are resumable and deterministic. Conversations go in chunks of `chunk_size`; a chunk's prompts
-are generated shortest first (fewer pad tokens per batch), its lines are appended and fsynced before the
-next chunk starts, and the chunk's sampling seeds derive from `(seed, chunk start, turn)`. A restart
-reads the output back, checks that it is a prefix of the expected indices, drops what follows the last
-complete chunk (a partial line or chunk from a kill) and continues, so a resumed run writes the same bytes
-as an uninterrupted one. The settings that determine the output live beside it in `<output>.run.json`;
-resuming with other settings or other conversations is refused.
+Runs are resumable and deterministic. Conversations go in chunks of `chunk_size`; a chunk's lines
+are appended and fsynced before the next chunk starts, and the chunk's sampling seeds derive from
+`(seed, chunk start, turn)`. A restart reads the output back, checks that it is a prefix of the
+expected indices, drops what follows the last complete chunk (a partial line or chunk from a kill)
+and continues, so a resumed run writes the same bytes as an uninterrupted one. The settings that
+determine the output live beside it in `<output>.run.json`; resuming with other settings or other
+conversations is refused.
 
 The output may be a URL (`gs://bucket/prefix/out.jsonl`, or anything `etils.epath` opens; `file://` URLs
 are local paths). Object stores cannot append or truncate, so such a run writes a local working copy
@@ -305,17 +305,14 @@ def _regenerate_chunk(
             prompts.append(ids.tolist())
         if not prompts:
             continue
-        # Shortest prompts first: a batch's prompts are padded to its longest, so length-sorted batches
-        # prefill far fewer pad tokens (ShareGPT's first turns: about a quarter fewer in chunks of 64).
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         outputs = generator.generate(
-            [prompts[i] for i in order],
+            prompts,
             max_new_tokens=max_new_tokens,
             params=params,
             seed=chunk_seed(seed, start, turn),
             on_progress=functools.partial(_turn_progress, on_progress, turn, len(prompts), num_turns),
         )
-        for k, ids in zip([active[i] for i in order], outputs):
+        for k, ids in zip(active, outputs):
             tokens += len(ids)
             reply = target.tokenizer.decode(ids, skip_special_tokens=True)
             messages[k] += [

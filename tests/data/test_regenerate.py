@@ -158,40 +158,6 @@ def test_later_turns_see_the_targets_replies(target, mesh1, tmp_path, monkeypatc
     assert second_turn[1]["content"] in text
 
 
-def test_a_chunks_prompts_go_shortest_first_and_each_reply_returns_to_its_conversation(
-    target, mesh1, tmp_path, monkeypatch
-):
-    """The generator sees a turn's prompts sorted by length; every reply (here: the sum of its prompt's
-    ids, written out, so a reply names its prompt) lands in the conversation it answers."""
-    calls = []
-
-    def echo(self, batch, **kwargs):
-        calls.append([len(p) for p in batch])
-        return [target.tokenizer.encode(str(sum(p))) for p in batch]
-
-    monkeypatch.setattr(Generator, "generate", echo)
-    path = tmp_path / "out.jsonl"
-    regenerate(target, CONVERSATIONS, path, mesh=mesh1, **{**SETTINGS, "chunk_size": 5})
-    first_turns = [
-        len(
-            prompt_ids(
-                target.tokenizer,
-                target.chat_template,
-                c[: next(k for k, m in enumerate(c) if m["role"] == "user") + 1],
-            )
-        )
-        for c in CONVERSATIONS
-    ]
-    assert first_turns != sorted(first_turns)  # the input order is not the generation order
-    assert calls[0] == sorted(first_turns) and all(lengths == sorted(lengths) for lengths in calls)
-    for record in read(path):
-        messages = record["messages"]
-        for k, message in enumerate(messages):
-            if message["role"] == "assistant":
-                ids = prompt_ids(target.tokenizer, target.chat_template, messages[:k])
-                assert message["content"] == str(int(sum(ids)))
-
-
 def test_prompts_over_the_limit_skip_or_truncate(target, mesh1, tmp_path):
     long_turn = "word " * 60
     conversations = [[user(long_turn)], [user("Hi"), user(long_turn)], [user("Hello")]]

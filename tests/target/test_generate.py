@@ -1,5 +1,7 @@
 """Generation: greedy equals a naive full-recompute loop, padding/batching invariance, sampling, sharding."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax import sharding
+from dspark_jax.target import generate
 from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.generate import Generator, SamplingParams, prompt_bucket, sampling_logits
 from dspark_jax.target.model import Transformer
@@ -130,3 +133,22 @@ def test_length_sorted_batches_and_decode_segments_change_no_output(model, mesh1
     done = [d for d, _ in calls]
     assert done == sorted(done) and done[-1] == len(prompts) and len(calls) > len(prompts)
     assert sum(new for _, new in calls) >= sum(map(len, got))  # EOS tokens count as produced
+
+
+def test_generation_seconds_leave_out_the_compiles(model, mesh1, monkeypatch):
+    """`stats.seconds` is run time only: a decode program compiled on a batch's first call (after its
+    prefill ran) is not counted. Tracing each program moves the clock by 100 s, a compile no run takes."""
+    offset, clock = [0.0], time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + offset[0])
+    for name in ("_prefill_program", "_decode_program"):
+        program = getattr(generate, name)
+
+        def slow_to_trace(*args, program=program, **kwargs):
+            offset[0] += 100.0
+            return program(*args, **kwargs)
+
+        monkeypatch.setattr(generate, name, slow_to_trace)
+    gen = Generator(model, eos_ids=[EOS], pad_id=0, batch_size=2, mesh=mesh1)
+    gen.generate(PROMPTS, max_new_tokens=6)
+    assert gen.stats.compile_seconds >= 400  # two buckets, a prefill and a decode program each
+    assert 0 < gen.stats.seconds < 100

@@ -43,8 +43,11 @@ def _copy(src: epath.Path, dst: epath.Path) -> None:
 
 
 def collect(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
-    """Copies the suite's source files under `out/data`; returns that directory."""
+    """Copies the suite's source files under `out/data` (emptied first: a report reads only what this work
+    directory holds, never an earlier run's files); returns that directory."""
     root, data = epath.Path(root), epath.Path(out) / DATA_DIR
+    if data.exists():
+        data.rmtree()
     record = json.loads((root / SUITE_FILE).read_text())
     for name in (SUITE_FILE, PARAMS_FILE):
         _copy(root / name, data / name)

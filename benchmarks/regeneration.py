@@ -1,15 +1,15 @@
-"""Regeneration's prompt order: each chunk's prompts in input order (the builder before 2026-12-06) vs
-shortest first (`dspark_jax.data.regenerate` now), on the demo's first turns, in one run.
+"""Regeneration's decode batch: tokens/s on the demo's first turns at several `data.regen_batch_size`
+values, in one run.
 
-  python benchmarks/regeneration.py [--conversations=128] [--chunk=64] [--preset=demo]
+  python benchmarks/regeneration.py [--conversations=128] [--batch_sizes=32,64,128] [--preset=demo]
 
 The first `--conversations` conversations of the preset's training blend (`data.train_source`) whose first
-prompt fits `data.regen_max_prompt_tokens`, in chunks of `--chunk` (`regenerate`'s default) through one
-greedy `Generator` of `data.regen_batch_size` rows and `data.regen_max_new_tokens` new tokens, as
-`regenerate` feeds it. Per order: the prefill's padded tokens (a batch pads to the power-of-two bucket of
-its longest prompt), seconds (compiles excluded: `GenerationStats`), generated tokens, and how many replies
-equal the other order's (greedy: a row's reply should not depend on its neighbours; a difference is the
-float noise of other padding). Each prompt bucket's programs compile and run once on one batch first.
+prompt fits `data.regen_max_prompt_tokens`, fed as `regenerate` feeds them: one `generate` call per chunk
+of `--chunk` conversations (at least the batch), which batches its prompts shortest first; greedy,
+`data.regen_max_new_tokens` new tokens. Per batch size: seconds (compiles excluded, `GenerationStats`),
+generated tokens, tokens/s, and row use: generated tokens over the rows x decode steps the batches paid
+(a batch steps until its longest row ends; a finished or padding row still computes). Replies equal to
+the first batch size's are counted (greedy; a difference is the float noise of another batch shape).
 """
 
 from __future__ import annotations
@@ -25,19 +25,17 @@ from dspark_jax import sharding
 from dspark_jax.data.conversations import load_conversations
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import prompt_ids
-from dspark_jax.target.generate import GREEDY, GenerationStats, Generator, prompt_bucket
+from dspark_jax.target.generate import GREEDY, Generator
 
 
-def batches(chunks: list[list[list[int]]], size: int):
-    """The generator's batches of the chunks, in order (a chunk's last batch may be short)."""
-    for chunk in chunks:
-        for i in range(0, len(chunk), size):
-            yield chunk[i : i + size]
-
-
-def padded_tokens(chunks: list[list[list[int]]], size: int) -> int:
-    """Prefill tokens of the chunks' batches: rows x the bucket of each batch's longest prompt."""
-    return sum(size * prompt_bucket(max(map(len, batch))) for batch in batches(chunks, size))
+def paid_row_steps(prompts: list[list[int]], replies: list[list[int]], batch: int, max_new: int) -> int:
+    """Rows x decode steps of one `generate` call's batches (shortest prompts first, as it batches)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    total = 0
+    for start in range(0, len(order), batch):
+        rows = [replies[i] for i in order[start : start + batch]]
+        total += batch * min(max_new, max(len(r) + 1 for r in rows))  # a row's EOS is a step
+    return total
 
 
 def main():
@@ -45,7 +43,8 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--conversations", type=int, default=128)
-    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--batch_sizes", default="32,64,128")
+    parser.add_argument("--chunk", type=int, default=64, help="regenerate's chunk_size (raised to the batch)")
     parser.add_argument("--preset", default="demo")
     args = parser.parse_args()
     config = base.get_config(args.preset)
@@ -62,53 +61,34 @@ def main():
             prompts.append(ids)
         if len(prompts) == args.conversations:
             break
-    chunks = [prompts[i : i + args.chunk] for i in range(0, len(prompts), args.chunk)]
-    orders = {
-        "input order": [list(range(len(c))) for c in chunks],
-        "shortest first": [sorted(range(len(c)), key=lambda i: len(c[i])) for c in chunks],
-    }
-    generator = Generator(
-        target.model,
-        eos_ids=target.eos_ids,
-        pad_id=target.tokenizer.pad_id,
-        batch_size=data.regen_batch_size,
-        padding="left",
-        mesh=mesh,
-    )
-    arrangements = {
-        name: [[c[i] for i in o] for c, o in zip(chunks, order)] for name, order in orders.items()
-    }
-    warm = {}  # one batch per prompt bucket: its programs compile and run once before any timing
-    for arranged in arrangements.values():
-        for batch in batches(arranged, data.regen_batch_size):
-            warm.setdefault(prompt_bucket(max(map(len, batch))), batch)
-    for batch in warm.values():
-        generator.generate(batch, max_new_tokens=data.regen_max_new_tokens, params=GREEDY)
-    replies, rows = {}, []
-    for (name, order), arranged in zip(orders.items(), arrangements.values()):
-        generator.stats = GenerationStats()
-        out = []
-        for chunk, o in zip(arranged, order):
-            generated = generator.generate(chunk, max_new_tokens=data.regen_max_new_tokens, params=GREEDY)
-            back = [None] * len(chunk)
-            for i, ids in zip(o, generated):
-                back[i] = ids
-            out += back
-        replies[name] = out
-        stats = generator.stats
-        rows.append(
-            (name, padded_tokens(arranged, data.regen_batch_size), stats.seconds, stats.generated_tokens)
-        )
-    same = sum(a == b for a, b in zip(*replies.values()))
+    max_new = data.regen_max_new_tokens
     print(
         f"{len(prompts)} first turns of {data.train_source} ({sum(map(len, prompts))} prompt tokens), "
-        f"chunks of {args.chunk}, batch {data.regen_batch_size}, max_new {data.regen_max_new_tokens}, "
-        "greedy; compiles excluded"
+        f"max_new {max_new}, greedy, compiles excluded"
     )
-    print(f"{'order':>15s} {'prefill tokens':>14s} {'seconds':>8s} {'generated':>9s} {'tokens/s':>8s}")
-    for name, padded, seconds, generated in rows:
-        print(f"{name:>15s} {padded:14d} {seconds:8.1f} {generated:9d} {generated / seconds:8.1f}")
-    print(f"replies equal in both orders: {same}/{len(prompts)}")
+    print(
+        f"{'batch':>5s} {'chunk':>5s} {'seconds':>8s} {'generated':>9s} {'tokens/s':>8s} {'row use':>7s} "
+        f"{'equal':>7s}"
+    )
+    first = None
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        chunk = max(args.chunk, batch)
+        generator = Generator(
+            target.model, eos_ids=target.eos_ids, pad_id=target.tokenizer.pad_id, batch_size=batch, mesh=mesh
+        )
+        replies, paid = [], 0
+        for start in range(0, len(prompts), chunk):
+            part = prompts[start : start + chunk]
+            out = generator.generate(part, max_new_tokens=max_new, params=GREEDY)
+            paid += paid_row_steps(part, out, batch, max_new)
+            replies += out
+        first = first or replies
+        stats = generator.stats
+        same = sum(a == b for a, b in zip(first, replies))
+        print(
+            f"{batch:5d} {chunk:5d} {stats.seconds:8.1f} {stats.generated_tokens:9d} "
+            f"{stats.tokens_per_second:8.1f} {stats.generated_tokens / paid:7.2f} {same:3d}/{len(prompts)}"
+        )
 
 
 if __name__ == "__main__":

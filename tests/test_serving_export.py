@@ -45,6 +45,7 @@ from dspark_jax.run.deepspec_checkpoint import export_draft
 from dspark_jax.suite import measure
 from dspark_jax.target.checkpoint import default_target_path
 from dspark_jax.target.tokenizer import Tokenizer
+from tests.marks import tiered
 from tests.references import reference
 from tests.test_export import _cli, _save_run
 
@@ -347,7 +348,10 @@ def test_the_baseline_part_of_a_group_exports_when_asked_and_says_so(served, mes
     assert not any(k.startswith("memory") for k in load_file(tmp / "memory_out" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("group", [g for g in GROUP_CONFIGS if g != "memory"])
+@pytest.mark.parametrize(
+    "group",
+    tiered([g for g in GROUP_CONFIGS if g != "memory"], fast=["engram_markov", "reranker_frozen"]),
+)
 def test_every_groups_baseline_part_exports_and_loads(group, served, mesh8):
     """In process (the memory group goes through the command above): the baseline DSpark tensors of the
     group's draft, the group's own parameters left out and named in config.json."""

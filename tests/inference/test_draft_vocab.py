@@ -23,6 +23,7 @@ from tests.inference.test_speculate import (  # noqa: F401
     parts,
     parts3,
 )
+from tests.marks import tiered
 
 # 16 of the 48 ids (EOS among them), not a contiguous range: a wrong id mapping proposes outside it.
 VOCAB = np.asarray(sorted({EOS, *range(4, V, 3)}))[:16]
@@ -77,9 +78,7 @@ def test_proposals_are_the_whole_vocabularys_best_corrected_choice_among_the_dra
             state, _ = run.verify(ts, dp, dr, state, draft_out, proposals, None)
 
 
-@pytest.mark.parametrize(
-    "group", [g if g == "baseline" else pytest.param(g, marks=pytest.mark.slow) for g in GROUPS]
-)
+@pytest.mark.parametrize("group", tiered(GROUPS, fast=["baseline"], slow=["reranker_joint"]))
 def test_greedy_with_a_draft_vocabulary_equals_the_target_greedy(parts, mesh1, group):  # noqa: F811
     """Every group's proposer stays lossless (the reranker rescoring 4 candidates of the draft vocabulary,
     fewer than its 16)."""

@@ -33,6 +33,7 @@ from dspark_jax.target.generate import Generator, SamplingParams
 from dspark_jax.target.model import DecodeCache, Transformer
 from tests import rules
 from tests.inference.test_acceptance import biased_at_position_3, chi_square_p, joint_cells
+from tests.marks import tiered
 
 V, H, EOS, AUX = 48, 32, 3, (0, 1)
 TARGET = TargetConfig(
@@ -81,11 +82,6 @@ PROMPTS = [[5, 9, 11, 7], [7] * 13, [20, 21, 22, 23, 24, 25, 26, 27, 28], [1, 2]
 ENGRAM_GROUPS = ("engram_markov", "engram_mask_gated", "engram_mask_replace")
 # Every proposer: the baseline's, Draft Memory's with each memory source, Engram's three, the reranker's.
 GROUPS = ("baseline", *(f"memory_{s}" for s in MEMORY_SOURCES), *ENGRAM_GROUPS, "reranker_joint")
-
-
-def _slow_except(cases, fast):
-    """`cases` with every one not in `fast` marked slow (the default run keeps a representative few)."""
-    return [case if case in fast else pytest.param(*case, marks=pytest.mark.slow) for case in cases]
 
 
 def _scaled(module, mesh, scale):
@@ -252,9 +248,10 @@ def _assert_accepted(report):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(
     "group, batch_size",
-    _slow_except(
+    tiered(
         [("baseline", 1), *((g, 8) for g in GROUPS)],
-        [("baseline", 1), ("engram_markov", 8), ("reranker_joint", 8)],
+        fast=[("baseline", 1), ("engram_markov", 8), ("reranker_joint", 8)],
+        slow=[("memory_with_memory", 8)],
     ),
     ids=lambda x: str(x),
 )
@@ -267,7 +264,7 @@ def test_greedy_speculation_with_accepted_drafts_equals_target_greedy(
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(
     "group, batch_size",
-    _slow_except(
+    tiered(
         [
             ("baseline", 1),
             ("baseline", 4),
@@ -275,7 +272,7 @@ def test_greedy_speculation_with_accepted_drafts_equals_target_greedy(
             ("engram_markov", 4),
             ("reranker_joint", 4),
         ],
-        [("baseline", 4), ("memory_with_memory", 4)],
+        fast=[("baseline", 4), ("memory_with_memory", 4)],
     ),
     ids=lambda x: str(x),
 )
@@ -531,9 +528,10 @@ def _joint_sampling_pvalue(parts3, mesh, group, schedule, **kw):
 
 @pytest.mark.parametrize(
     "group, schedule",
-    _slow_except(
+    tiered(
         [*((g, "fixed") for g in GROUPS), ("baseline", "confidence"), ("reranker_joint", "confidence")],
-        [("baseline", "fixed"), ("baseline", "confidence"), ("reranker_joint", "confidence")],
+        fast=[("baseline", "fixed"), ("baseline", "confidence"), ("reranker_joint", "confidence")],
+        slow=[("memory_with_memory", "fixed")],
     ),
     ids=lambda x: str(x),
 )
@@ -553,9 +551,10 @@ def test_sampling_is_lossless_jointly_over_a_whole_cycle(parts3, mesh1, group, s
 
 @pytest.mark.parametrize(
     "group, schedule",
-    _slow_except(
+    tiered(
         [("baseline", "fixed"), ("baseline", "confidence"), ("memory_with_memory", "fixed")],
-        [("baseline", "fixed")],
+        fast=[("baseline", "fixed")],
+        slow=[("memory_with_memory", "fixed")],
     ),
     ids=lambda x: str(x),
 )
@@ -581,7 +580,7 @@ def test_the_joint_sampling_test_rejects_an_acceptance_rule_biased_at_position_3
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(
     "group, draft_len",
-    _slow_except(
+    tiered(
         [
             ("baseline", 1),
             ("baseline", 3),
@@ -589,7 +588,7 @@ def test_the_joint_sampling_test_rejects_an_acceptance_rule_biased_at_position_3
             ("engram_markov", 2),
             ("reranker_joint", 2),
         ],
-        [("baseline", 1), ("baseline", 3), ("memory_with_memory", 2)],
+        fast=[("baseline", 1), ("baseline", 3), ("memory_with_memory", 2)],
     ),
     ids=lambda x: str(x),
 )
@@ -637,7 +636,7 @@ def test_bad_inputs(parts, mesh1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("concurrency", [1, 8])
+@pytest.mark.parametrize("concurrency", tiered([1, 8], slow=[1]))
 def test_greedy_lossless_on_the_demo_target(mesh1, concurrency):
     """SmolLM2 with a (random-init) demo-shaped draft: output equals target-only greedy on GSM8K prompts."""
     from configs import baseline

@@ -17,6 +17,7 @@ from dspark_jax.target import target_from_config
 from dspark_jax.training import aot
 from dspark_jax.training.evaluation import evaluate_checkpoint
 from dspark_jax.training.loop import SUMMARY_FILE, train
+from tests.marks import tiered
 
 SIZE = 256  # of the smoke target's 49,152 ids: the smoke responses use fewer, so the rest is ranked by id
 SEED_GROUPS = {g.name: g for g in plan.suites()["seed"]}
@@ -48,9 +49,7 @@ def runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize(
-    "name", [n if n in FAST_GROUPS else pytest.param(n, marks=pytest.mark.slow) for n in SEED_GROUPS]
-)
+@pytest.mark.parametrize("name", tiered(list(SEED_GROUPS), fast=FAST_GROUPS, slow=["reranker_joint"]))
 def test_every_group_trains_evaluates_and_decodes_losslessly_over_a_draft_vocabulary(runs, name):
     config, workdir = runs(name)
     summary = json.loads((workdir / SUMMARY_FILE).read_text())

@@ -27,6 +27,7 @@ from dspark_jax.training import evaluation
 from dspark_jax.training import step as step_lib
 from dspark_jax.training.loop import SUMMARY_FILE, forward_seconds, split_micro_batches, train
 from tests import bf16
+from tests.marks import EXTENDED, tiered
 
 # The demo preset (SmolLM2-135M, packed rows of 1,024 tokens) on a few short conversations.
 DEMO_DATA = dict(train_limit=6, val_limit=2, regen_max_new_tokens=48, regen_batch_size=8)
@@ -126,7 +127,7 @@ def _compare(cache_dir, pack, steps=3, preset="smoke", same_forward=False, **dat
         ("smoke", True, {"online_chunks": 2}, 1e-6, 1e-9),
         ("smoke-hybrid", True, {}, 3e-6, 1e-9),
         pytest.param("demo", True, DEMO_DATA, 1e-4, 1e-8, marks=pytest.mark.slow),
-        pytest.param("demo", True, DEMO_DATA | {"same_forward": True}, 1e-6, 1e-9, marks=pytest.mark.slow),
+        pytest.param("demo", True, DEMO_DATA | {"same_forward": True}, 1e-6, 1e-9, marks=EXTENDED),
     ],
     ids=[
         "smoke-rows",
@@ -204,9 +205,7 @@ def online_runs(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize(
-    "name", [n if n in FAST_GROUPS else pytest.param(n, marks=pytest.mark.slow) for n in SEED_GROUPS]
-)
+@pytest.mark.parametrize("name", tiered(list(SEED_GROUPS), fast=FAST_GROUPS, slow=list(SEED_GROUPS)))
 def test_every_groups_smoke_run_trains_online(online_runs, name):
     workdir = online_runs(name)
     summary = json.loads((workdir / SUMMARY_FILE).read_text())

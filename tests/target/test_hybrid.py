@@ -78,7 +78,7 @@ def _decode_fns(family):
     return model, step, verify
 
 
-@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+@pytest.mark.parametrize("family", tiered(LINEAR_FAMILIES, fast=["qwen3_5", "qwen3_next"]))  # MoE: no change
 def test_token_by_token_decoding_equals_the_whole_sequence_past_one_chunk(family):
     """The recurrent form (one token at a time from the cache) equals the chunked whole-sequence form on
     a sequence longer than one chunk (64), with a left-padded row."""
@@ -126,7 +126,7 @@ def test_blocks_rolled_back_to_each_rows_prefix_equal_appending_only_that_prefix
         )
 
 
-@pytest.mark.parametrize("family", LINEAR_FAMILIES)
+@pytest.mark.parametrize("family", tiered(LINEAR_FAMILIES, fast=["qwen3_5", "qwen3_next"]))  # MoE: no change
 def test_packed_rows_equal_each_sample_alone(family):
     """Two packed rows of 128 tokens (chunks of 64): samples that start inside a chunk and on a chunk's
     first slot (64), span a chunk boundary, or hold one token, then padding (position 0, each pad its own

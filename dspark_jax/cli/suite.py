@@ -92,6 +92,7 @@ def main(argv):
         protocol=protocol,
     )
     if not _REPORT_ONLY.value:
+        report.check_out(report_dir, suite.record["groups"])  # before any work
         try:
             suite.run()
         except Preempted as e:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from etils import epath
 
 from dspark_jax import groups as registry
+from dspark_jax.errors import UsageError
 from dspark_jax.run import checkpoints
 from dspark_jax.suite import comparisons, plan, plots
 from dspark_jax.suite.runner import (
@@ -40,6 +41,20 @@ INFERENCE_SCALARS = ("mal_pooled", "mal_per_request", "tokens_per_second", "loop
 def _copy(src: epath.Path, dst: epath.Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src, dst)
+
+
+def check_out(out: str | epath.Path, rows: list[str]) -> None:
+    """Refuses a report directory whose report holds rows that `rows` lack: rewriting it would drop them (a
+    `--groups` run's default report directory is the whole suite's)."""
+    previous = epath.Path(out) / DATA_DIR / SUITE_FILE
+    lost = (
+        [g for g in json.loads(previous.read_text())["groups"] if g not in rows] if previous.exists() else []
+    )
+    if lost:
+        raise UsageError(
+            f"{out} holds a report with rows {lost} that this one lacks; give another --report_dir "
+            f"(or delete {out} to replace it)"
+        )
 
 
 def collect(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
@@ -302,6 +317,7 @@ def _seeds_section(rows, found) -> list[str]:
 def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
     """Writes `out/report.md`, its plots and `out/data/`; returns the report's path."""
     root, out = epath.Path(root), epath.Path(out)
+    check_out(out, json.loads((root / SUITE_FILE).read_text())["groups"])
     out.mkdir(parents=True, exist_ok=True)
     data = collect(root, out)
     record = json.loads((data / SUITE_FILE).read_text())

@@ -11,6 +11,7 @@ import pytest
 from dspark_jax.run import checkpoints
 from dspark_jax.suite import plan, report
 from dspark_jax.suite.runner import setting_name
+from tests.suite.test_report import report_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +30,13 @@ def _suite(tmp_path, *extra):
         *extra,
     ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3000)
+
+
+def test_a_groups_run_into_a_whole_suites_report_directory_is_refused_before_any_work(tmp_path):
+    report_of(tmp_path / "report", ["baseline", "memory"])
+    proc = _suite(tmp_path, "--groups=baseline")
+    assert proc.returncode == 2 and "give another --report_dir" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "work").exists()  # nothing trained
 
 
 # The rows whose mechanics the seed suite's report adds: Draft Memory (the prefix picker, two stages), the

@@ -65,6 +65,9 @@ Keys:
   data.regen_max_new_tokens reply length cap when the target regenerates replies.
   data.regen_max_prompt_tokens  prompt length cap per regenerated turn.
   data.regen_batch_size     rows per regeneration program.
+  data.regen_chunk_size     conversations per durable write of the replies (what a killed run redoes at most);
+                            each chunk's prompts are batched shortest first, so a chunk of several batches
+                            pads the prefill less (demo: 256 against 64, 27% fewer prompt slots).
   data.regen_max_turns      user turns kept per conversation (later turns are dropped).
   data.worker_count         grain worker processes preparing training batches (0 = in process).
   data.features             'offline': the draft reads the target's states from the cache; 'online': the
@@ -274,6 +277,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.data.regen_max_new_tokens = {"paper": 2048, "demo": 128, "accel": 256, "smoke": 8}[preset]
     c.data.regen_max_prompt_tokens = {"paper": 2048, "demo": 256, "accel": 512, "smoke": 128}[preset]
     c.data.regen_batch_size = {"paper": 64, "demo": 32, "accel": 256, "smoke": 4}[preset]
+    c.data.regen_chunk_size = {"paper": 512, "demo": 256, "accel": 1024, "smoke": 64}[preset]
     c.data.regen_max_turns = {"paper": 64, "demo": 1, "accel": 1, "smoke": 2}[preset]
     c.data.worker_count = 0
     c.data.features = "offline"

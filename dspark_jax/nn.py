@@ -162,18 +162,35 @@ def gqa_attention(
     Queries at `T` positions attend over keys/values at `T` positions (the two `T` may differ:
     `visible_BxTxT` is `[B, queries, keys]`). A query with no visible key returns zeros instead of NaN.
     """
+    return gqa_attention_heads_major(
+        q_BxTxQxD, k_BxTxGxD.transpose(0, 2, 1, 3), v_BxTxGxD.transpose(0, 2, 1, 3), visible_BxTxT
+    )
+
+
+def gqa_attention_heads_major(
+    q_BxTxQxD: jax.Array, k_BxGxTxD: jax.Array, v_BxGxTxD: jax.Array, visible_BxTxT: jax.Array
+) -> jax.Array:
+    """`gqa_attention` over keys/values stored heads-major, `[B, G, T, D]` (a decoding cache's layout).
+
+    Both products are plain batched matmuls over `B x G` with the `E` query heads of a KV head stacked
+    as rows: on a CPU, XLA runs the `[B, T, G, D]` layout's products several times slower, and a cache in
+    that layout is copied to this one at every step.
+    """
     b, t, heads, d = q_BxTxQxD.shape
-    kv_heads = k_BxTxGxD.shape[2]
-    q_BxTxGxExD = q_BxTxQxD.reshape(b, t, kv_heads, heads // kv_heads, d)
+    kv_heads, s = k_BxGxTxD.shape[1], k_BxGxTxD.shape[2]
+    e = heads // kv_heads
+    q_BxGxETxD = (
+        q_BxTxQxD.reshape(b, t, kv_heads, e, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, e * t, d)
+    )
     logits_BxGxExTxT = jnp.einsum(
-        "btged,bsgd->bgets", q_BxTxGxExD, k_BxTxGxD, preferred_element_type=jnp.float32
-    ) * (d**-0.5)
+        "bgqd,bgsd->bgqs", q_BxGxETxD, k_BxGxTxD, preferred_element_type=jnp.float32
+    ).reshape(b, kv_heads, e, t, s) * (d**-0.5)
     mask = visible_BxTxT[:, None, None]
     logits_BxGxExTxT = jnp.where(mask, logits_BxGxExTxT, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits_BxGxExTxT, axis=-1)
-    probs = jnp.where(mask, probs, 0.0).astype(v_BxTxGxD.dtype)
-    out_BxTxGxExD = jnp.einsum("bgets,bsgd->btged", probs, v_BxTxGxD)
-    return out_BxTxGxExD.reshape(b, t, heads, d)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BxGxTxD.dtype)
+    out_BxGxETxD = jnp.einsum("bgqs,bgsd->bgqd", probs.reshape(b, kv_heads, e * t, s), v_BxGxTxD)
+    return out_BxGxETxD.reshape(b, kv_heads, e, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, heads, d)
 
 
 class SwiGLU(nnx.Module):

@@ -312,7 +312,9 @@ def regen_settings(config, split: str) -> dict[str, Any]:
         "batch_size": d.regen_batch_size,
         "seed": config.seed,
         "target_dtypes": [config.target.param_dtype, config.target.dtype],
-    } | ({} if config.data.regenerate else {"regenerate": False})
+    } | ({} if d.regenerate else {"regenerate": False}) | (
+        {} if d.get("regen_chunk_size", 64) == 64 else {"chunk_size": d.regen_chunk_size}
+    )
 
 
 def cache_settings(config, split: str) -> dict[str, Any]:
@@ -387,6 +389,7 @@ def prepare_split(
                 max_new_tokens=data.regen_max_new_tokens,
                 seed=config.seed,
                 batch_size=data.regen_batch_size,
+                chunk_size=data.get("regen_chunk_size", 64),
                 max_prompt_tokens=data.regen_max_prompt_tokens,
                 mesh=mesh,
                 staging_dir=Path(local_cache_root(config), "staging"),

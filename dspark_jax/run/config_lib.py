@@ -162,8 +162,9 @@ def validate(config) -> None:
         "regen_max_new_tokens",
         "regen_max_prompt_tokens",
         "regen_batch_size",
+        "regen_chunk_size",
     ):
-        if d[key] < 1:
+        if d.get(key, 1) < 1:
             raise UsageError(f"data.{key}={d[key]} must be >= 1")
     if not isinstance(d.regen_max_turns, int) or d.regen_max_turns < 1:
         raise UsageError(f"data.regen_max_turns={d.regen_max_turns!r} must be an integer >= 1")

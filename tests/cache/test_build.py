@@ -23,6 +23,7 @@ from dspark_jax.cache.build import (
     settings_key,
     tokenize_all,
 )
+from dspark_jax.data.regenerate import run_file
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import tokenize_conversation
 from dspark_jax.target.generate import prompt_bucket
@@ -170,6 +171,7 @@ def test_prepare_split_cuts_turns_counts_drops_and_keeps_gs_paths(target, mesh1,
     config.data.train_source = str(source)
     config.data.train_limit = 0
     config.data.regen_max_turns = 1
+    config.data.regen_chunk_size = 2
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "local"))
     with fake_gcs(tmp_path / "gcs"):
         report = prepare_split(config, "train", target, mesh1, build=False)
@@ -179,6 +181,9 @@ def test_prepare_split_cuts_turns_counts_drops_and_keeps_gs_paths(target, mesh1,
     assert (report["cache"], report["replies"]) == (f"{root}/{cache_dir}", f"{root}/{replies_file}")
     replies = tmp_path / "gcs" / "bucket" / "dspark" / target.fingerprint[:12] / replies_file
     lines = [json.loads(line) for line in replies.read_text(encoding="utf-8").splitlines()]
+    assert (
+        json.loads(run_file(replies).read_text(encoding="utf-8"))["chunk_size"] == 2
+    )  # data.regen_chunk_size
     assert [m["role"] for m in lines[0]["messages"]] == ["user", "assistant"]  # cut to one user turn
     assert lines[0]["messages"][0] == user("Q1")
     assert "skipped" in lines[1]

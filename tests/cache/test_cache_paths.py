@@ -31,6 +31,20 @@ VAL = f"val_cache-{settings_key(cache_settings(config(), 'val'))}"
 REPLIES = f"train_replies-{settings_key(regen_settings(config(), 'train'))}.jsonl"
 
 
+def test_a_regeneration_chunk_size_other_than_64_keys_new_replies_and_caches():
+    """`data.regen_chunk_size` batches other prompts together (other replies, within float noise): another
+    value is another replies file and cache; 64, the size before the key existed, keeps their names."""
+    c = config()
+    c.data.regen_chunk_size = 64
+    assert replies_path(c, FINGERPRINT, "train").endswith(REPLIES) and "chunk_size" not in regen_settings(
+        c, "train"
+    )
+    c.data.regen_chunk_size = 256
+    assert regen_settings(c, "train")["chunk_size"] == 256
+    assert not replies_path(c, FINGERPRINT, "train").endswith(REPLIES)
+    assert not cache_path(c, FINGERPRINT, "train").endswith(TRAIN)
+
+
 def test_gs_cache_dir_is_kept():
     got = cache_path(config("gs://bucket/dspark"), FINGERPRINT, "train")
     assert got == f"gs://bucket/dspark/0123456789ab/{TRAIN}"

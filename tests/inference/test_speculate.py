@@ -412,6 +412,11 @@ def _forced(tokens_BxS):
     return engine.Proposer(lambda draft, frozen, state: (), select)
 
 
+def _slots_major(buffers):
+    """Attention cache buffers `[B, G, T, D]` as `[B, T, G, D]`, the slots where `_assert_close_rows` cuts."""
+    return [np.asarray(b).swapaxes(1, 2) for b in buffers]
+
+
 def _assert_close_rows(got, want, row, end, what):
     """Row `row` of each cache buffer in `got` equals row 0 of `want`'s (first `end` slots when given)."""
     for k, (g, w) in enumerate(zip(got, want)):
@@ -471,8 +476,20 @@ def test_rollback_leaves_caches_equal_to_a_fresh_prefill(request, mesh1, kind):
             assert end == len(processed)
             fresh_cache = DecodeCache.zeros(target.cfg, 1, 64, target.dtype)
             fresh = target(jnp.asarray([processed]), cache=fresh_cache, aux_layer_ids=AUX)
-            _assert_close_rows(cache.k_BxTxGxD, fresh.cache.k_BxTxGxD, row, end, "keys of attention layer")
-            _assert_close_rows(cache.v_BxTxGxD, fresh.cache.v_BxTxGxD, row, end, "values of attention layer")
+            _assert_close_rows(
+                _slots_major(cache.k_BxGxTxD),
+                _slots_major(fresh.cache.k_BxGxTxD),
+                row,
+                end,
+                "keys of attention layer",
+            )
+            _assert_close_rows(
+                _slots_major(cache.v_BxGxTxD),
+                _slots_major(fresh.cache.v_BxGxTxD),
+                row,
+                end,
+                "values of attention layer",
+            )
             for k, (got, want) in enumerate(zip(cache.linear, fresh.cache.linear)):
                 _assert_close_rows(got, want, row, None, f"linear layer {k}: state")
             assert len(cache.linear) == (2 if kind == "hybrid" else 0)

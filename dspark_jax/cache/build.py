@@ -302,18 +302,20 @@ def cache_root(config) -> str:
 def regen_settings(config, split: str) -> dict[str, Any]:
     """Every setting that determines a split's regenerated replies (besides the target)."""
     d = config.data
-    return {
-        "split": split,
-        "source": d.train_source if split == "train" else (d.val_source or str(GSM8K_VAL256.name)),
-        "limit": d.train_limit if split == "train" else d.val_limit,
-        "max_new_tokens": d.regen_max_new_tokens,
-        "max_prompt_tokens": d.regen_max_prompt_tokens,
-        "max_turns": d.regen_max_turns,
-        "batch_size": d.regen_batch_size,
-        "seed": config.seed,
-        "target_dtypes": [config.target.param_dtype, config.target.dtype],
-    } | ({} if d.regenerate else {"regenerate": False}) | (
-        {} if d.get("regen_chunk_size", 64) == 64 else {"chunk_size": d.regen_chunk_size}
+    return (
+        {
+            "split": split,
+            "source": d.train_source if split == "train" else (d.val_source or str(GSM8K_VAL256.name)),
+            "limit": d.train_limit if split == "train" else d.val_limit,
+            "max_new_tokens": d.regen_max_new_tokens,
+            "max_prompt_tokens": d.regen_max_prompt_tokens,
+            "max_turns": d.regen_max_turns,
+            "batch_size": d.regen_batch_size,
+            "seed": config.seed,
+            "target_dtypes": [config.target.param_dtype, config.target.dtype],
+        }
+        | ({} if d.regenerate else {"regenerate": False})
+        | ({} if d.get("regen_chunk_size", 64) == 64 else {"chunk_size": d.regen_chunk_size})
     )
 
 

@@ -12,47 +12,56 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax import sharding
-from dspark_jax.kernels.block_attention.common import BlockMemory
+from dspark_jax.kernels.block_attention.common import BlockMemory, per_kv_head
 
 
 def _chunk_attention(
     q_BxCxSxQxD,
-    k_ctx_BxTxGxD,
-    v_ctx_BxTxGxD,
+    k_ctx_BxGxTxD,
+    v_ctx_BxGxTxD,
     k_blk_BxCxSxGxD,
     v_blk_BxCxSxGxD,
     anchors_BxC,
     starts_BxC,
     memory: BlockMemory | None,
 ):
-    """Attention of C blocks (S slots each) over context + own memory + own slots; softmax in fp32."""
+    """Attention of C blocks (S slots each) over context + own memory + own slots; softmax in fp32.
+
+    The context keys/values come heads-major (`per_kv_head`) and the queries are regrouped to match, so the
+    two context products (the big ones) are batched matmuls over `B x G`: on a CPU, XLA runs the `[B, T, G,
+    D]` layout's products several times slower."""
     b, c, s, heads, d = q_BxCxSxQxD.shape
-    kv_heads = k_ctx_BxTxGxD.shape[2]
-    t = k_ctx_BxTxGxD.shape[1]
-    q_BxCxSxGxExD = q_BxCxSxQxD.reshape(b, c, s, kv_heads, heads // kv_heads, d) * (d**-0.5)
+    kv_heads, t = k_ctx_BxGxTxD.shape[1], k_ctx_BxGxTxD.shape[2]
+    e = heads // kv_heads
+    q_BxGxCxSxExD = (q_BxCxSxQxD.reshape(b, c, s, kv_heads, e, d) * (d**-0.5)).transpose(0, 3, 1, 2, 4, 5)
     neg = jnp.finfo(jnp.float32).min
     f32 = dict(preferred_element_type=jnp.float32)
 
-    ctx_BxCxSxGxExT = jnp.einsum("bcsged,btgd->bcsget", q_BxCxSxGxExD, k_ctx_BxTxGxD, **f32)
+    ctx_BxGxCSExT = jnp.einsum(
+        "bgqd,bgtd->bgqt", q_BxGxCxSxExD.reshape(b, kv_heads, -1, d), k_ctx_BxGxTxD, **f32
+    )
     j_T = jnp.arange(t)[None, None, :]
     ctx_visible_BxCxT = (j_T < anchors_BxC[:, :, None]) & (j_T >= starts_BxC[:, :, None])
-    ctx_BxCxSxGxExT = jnp.where(ctx_visible_BxCxT[:, :, None, None, None, :], ctx_BxCxSxGxExT, neg)
-    blk_BxCxSxGxExS = jnp.einsum("bcsged,bcrgd->bcsger", q_BxCxSxGxExD, k_blk_BxCxSxGxD, **f32)
-    parts = [ctx_BxCxSxGxExT, blk_BxCxSxGxExS]
+    ctx_BxGxCxSxExT = jnp.where(
+        ctx_visible_BxCxT[:, None, :, None, None, :], ctx_BxGxCSExT.reshape(b, kv_heads, c, s, e, t), neg
+    )
+    blk_BxGxCxSxExS = jnp.einsum("bgcsed,bcrgd->bgcser", q_BxGxCxSxExD, k_blk_BxCxSxGxD, **f32)
+    parts = [ctx_BxGxCxSxExT, blk_BxGxCxSxExS]
     if memory is not None:
-        mem = jnp.einsum("bcsged,bcmgd->bcsgem", q_BxCxSxGxExD, memory.k_BxNxMxGxD, **f32)
-        parts.append(jnp.where(memory.valid_BxNxM[:, :, None, None, None, :], mem, neg))
+        mem = jnp.einsum("bgcsed,bcmgd->bgcsem", q_BxGxCxSxExD, memory.k_BxNxMxGxD, **f32)
+        parts.append(jnp.where(memory.valid_BxNxM[:, None, :, None, None, :], mem, neg))
     peak = functools.reduce(jnp.maximum, [jnp.max(p, axis=-1, keepdims=True) for p in parts])
     exps = [
         jnp.exp(p - peak) for p in parts
     ]  # masked scores underflow to exactly 0: own slots keep peak finite
     total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
-    dtype = v_ctx_BxTxGxD.dtype
-    out = jnp.einsum("bcsget,btgd->bcsged", (exps[0] / total).astype(dtype), v_ctx_BxTxGxD, **f32)
-    out += jnp.einsum("bcsger,bcrgd->bcsged", (exps[1] / total).astype(dtype), v_blk_BxCxSxGxD, **f32)
+    dtype = v_ctx_BxGxTxD.dtype
+    ctx_probs = (exps[0] / total).astype(dtype).reshape(b, kv_heads, -1, t)
+    out = jnp.einsum("bgqt,bgtd->bgqd", ctx_probs, v_ctx_BxGxTxD, **f32).reshape(b, kv_heads, c, s, e, d)
+    out += jnp.einsum("bgcser,bcrgd->bgcsed", (exps[1] / total).astype(dtype), v_blk_BxCxSxGxD, **f32)
     if memory is not None:
-        out += jnp.einsum("bcsgem,bcmgd->bcsged", (exps[2] / total).astype(dtype), memory.v_BxNxMxGxD, **f32)
-    return out.reshape(b, c, s, heads, d).astype(q_BxCxSxQxD.dtype)
+        out += jnp.einsum("bgcsem,bcmgd->bgcsed", (exps[2] / total).astype(dtype), memory.v_BxNxMxGxD, **f32)
+    return out.transpose(0, 2, 3, 1, 4, 5).reshape(b, c, s, heads, d).astype(q_BxCxSxQxD.dtype)
 
 
 def _pad_blocks(x, n_pad):
@@ -81,6 +90,7 @@ def block_attention_xla(
     n_pad = -n % chunk
     if starts_BxN is None:
         starts_BxN = jnp.zeros_like(anchors_BxN)
+    k_ctx_BxGxTxD, v_ctx_BxGxTxD = per_kv_head(k_ctx_BxTxGxD), per_kv_head(v_ctx_BxTxGxD)
     per_block = [q_BxNxSxQxD, k_blk_BxNxSxGxD, v_blk_BxNxSxGxD, anchors_BxN, starts_BxN]
     if memory is not None:
         per_block += list(memory)
@@ -90,7 +100,7 @@ def block_attention_xla(
     def body(carry, xs):
         q, k_blk, v_blk, anchors, starts, *mem = xs
         mem = BlockMemory(*mem) if mem else None
-        out = _chunk_attention(q, k_ctx_BxTxGxD, v_ctx_BxTxGxD, k_blk, v_blk, anchors, starts, mem)
+        out = _chunk_attention(q, k_ctx_BxGxTxD, v_ctx_BxGxTxD, k_blk, v_blk, anchors, starts, mem)
         return carry, sharding.constrain(out, ("batch", None, None, "heads", None))
 
     if remat:

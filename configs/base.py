@@ -67,7 +67,8 @@ Keys:
   data.regen_batch_size     rows per regeneration program.
   data.regen_chunk_size     conversations per durable write of the replies (what a killed run redoes at most);
                             each chunk's prompts are batched shortest first, so a chunk of several batches
-                            pads the prefill less (demo: 256 against 64, 27% fewer prompt slots).
+                            pads the prefill less (demo: 256 against 64, 116,736 prompt slots for the train
+                            split's 64,200 prompt tokens against 155,648).
   data.regen_max_turns      user turns kept per conversation (later turns are dropped).
   data.worker_count         grain worker processes preparing training batches (0 = in process).
   data.features             'offline': the draft reads the target's states from the cache; 'online': the

@@ -1,6 +1,6 @@
 """Draft Memory (experiment group 5): two-stage training, last-round draft states as memory.
 
-  python -m dspark_jax.train --config=configs/memory.py            # :demo, SmolLM2 on CPU (~30 min)
+  python -m dspark_jax.train --config=configs/memory.py            # :demo, SmolLM2 on CPU (~30 min, fresh)
   python -m dspark_jax.train --config=configs/memory.py:smoke      # tiny random target (seconds)
   python -m dspark_jax.train --config=configs/memory.py:paper \\
       --config.target.path=/path/to/Qwen3.8-Flash-Next --config.data.cache_dir=gs://bucket/dspark

@@ -299,6 +299,16 @@ def cache_root(config) -> str:
     return cache_dir if is_url(cache_dir) else str(Path(cache_dir))
 
 
+# Regeneration's chunk size before `data.regen_chunk_size` existed: what stored configs without the key ran
+# with, and the size that keeps the replies' and caches' names as they were.
+LEGACY_REGEN_CHUNK_SIZE = 64
+
+
+def regen_chunk_size(data) -> int:
+    """A config `data` section's regeneration chunk size (`LEGACY_REGEN_CHUNK_SIZE` for one without it)."""
+    return data.get("regen_chunk_size", LEGACY_REGEN_CHUNK_SIZE)
+
+
 def regen_settings(config, split: str) -> dict[str, Any]:
     """Every setting that determines a split's regenerated replies (besides the target)."""
     d = config.data
@@ -315,7 +325,7 @@ def regen_settings(config, split: str) -> dict[str, Any]:
             "target_dtypes": [config.target.param_dtype, config.target.dtype],
         }
         | ({} if d.regenerate else {"regenerate": False})
-        | ({} if d.get("regen_chunk_size", 64) == 64 else {"chunk_size": d.regen_chunk_size})
+        | ({} if regen_chunk_size(d) == LEGACY_REGEN_CHUNK_SIZE else {"chunk_size": regen_chunk_size(d)})
     )
 
 
@@ -391,7 +401,7 @@ def prepare_split(
                 max_new_tokens=data.regen_max_new_tokens,
                 seed=config.seed,
                 batch_size=data.regen_batch_size,
-                chunk_size=data.get("regen_chunk_size", 64),
+                chunk_size=regen_chunk_size(data),
                 max_prompt_tokens=data.regen_max_prompt_tokens,
                 mesh=mesh,
                 staging_dir=Path(local_cache_root(config), "staging"),

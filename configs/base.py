@@ -2,7 +2,7 @@
 
 Experiment configs (`configs/baseline.py`, ...) call `get_config(preset)` and add their own
 keys. Presets:
-  paper  the seed: Qwen3.8-Flash-Next target (a hybrid Gated-DeltaNet MoE of depth 48, `PAPER_TARGET`; set
+  paper  the seed: Qwen3.8-Flash-Next target (a hybrid Gated-DeltaNet MoE of depth 52, `PAPER_TARGET`; set
          `target.path` and `data.cache_dir`), draft hidden 2560, 24/2 heads x 256, FFN 9728, aux layers
          45-47, 4096 tokens, 512 anchors, global batch 512 = 4 devices x micro-batch 4 x accumulation
          32, 26,040-step schedule stopping at 2,604, checkpoint every 651, bf16 compute, seed 42.
@@ -53,7 +53,11 @@ Keys:
   data.train_limit          first N usable training conversations (0 = all).
   data.val_source           validation prompts; '' = the packaged GSM8K-256 ('mt_bench' = MT-Bench).
   data.val_limit            first N validation prompts (0 = all).
-  data.aux_layer_ids        target layers cached as draft context (-1 = embedding output).
+  data.aux_layer_ids        target layers cached as draft context, DeepSpec's `target_layer_ids` (layer k's
+                            output; -1 = embedding output). Never the target's last layer: no serving engine
+                            captures it (refused before any work, naming the engines; `tap_last_layer`).
+  data.tap_last_layer       let `aux_layer_ids` include the target's last layer anyway (a warning names the
+                            engines that cannot serve the draft; `export` still refuses it for them).
   data.max_length           tokens per row (prompt + response); longer samples are truncated.
   data.pack                 pack several whole samples per row (each block sees only its own sample's
                             context; `train.global_batch` and `train.num_anchors` then count rows).
@@ -157,14 +161,15 @@ DEMO_TARGET = dict(
 SMOLLM2_MASK_ROW = 16
 # A tiny random target with SmolLM2's vocabulary (and tokenizer), for tests and smoke runs.
 SMOKE_TARGET = dict(
-    DEMO_TARGET, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16
+    DEMO_TARGET, hidden_size=64, intermediate_size=128, num_layers=5, num_heads=4, num_kv_heads=2, head_dim=16
 )
-# SMOKE_TARGET made Qwen3-Next-shaped: 3 Gated DeltaNet layers and one gated full-attention layer (the aux
-# layers 1-3 are of both kinds), every MLP 2 of 8 experts plus a shared expert; for tests of hybrid targets.
+# SMOKE_TARGET made Qwen3-Next-shaped: Gated DeltaNet layers with a gated full-attention layer as every 4th
+# (the aux layers 1-3 are of both kinds, and inner: a layer follows them), every MLP 2 of 8 experts plus a
+# shared expert; for tests of hybrid targets.
 SMOKE_HYBRID_TARGET = dict(
     SMOKE_TARGET,
     family="qwen3_next",
-    layer_types=("linear_attention",) * 3 + ("full_attention",),
+    layer_types=("linear_attention",) * 3 + ("full_attention", "linear_attention"),
     attn_output_gate=True,
     partial_rotary_factor=0.25,
     norm_unit_offset=True,
@@ -180,18 +185,21 @@ SMOKE_HYBRID_TARGET = dict(
 )
 # The seed's target, a hybrid "Next" MoE model with hidden size 2560 and aux layers 45-47 (no public
 # config): Qwen3-Next-80B-A3B's config (`transformers`' `Qwen3NextConfig` defaults, which are that model's,
-# with its rope_theta 1e7, intermediate_size 5120 and 256k positions) at the seed's hidden size. 48 layers,
-# every 4th full attention (16 query / 2 KV heads x 256, sigmoid output gate, RoPE on the first quarter of
-# each head), the others Gated DeltaNet (16 key / 32 value heads x 128, 4 conv taps); every MLP routes to
-# 10 of 512 experts of width 512 plus a gated shared expert of 512. About 100B parameters (96.6B in the
-# experts), 200 GB in bf16. The AOT checks (`check_memory`) and the draft's shape read it; a run with
-# `target.path` reads the checkpoint's own config.
+# with its rope_theta 1e7, intermediate_size 5120 and 256k positions) at the seed's hidden size, 52 layers
+# deep: the seed's ids are layer outputs (DeepSpec's convention), and no engine captures the last layer's
+# (SGLang and vLLM capture layer k's output at the input of layer k + 1; DeepSpec's evaluator refuses it),
+# so the seed's target has layers after 47; Qwen3-Next-80B's 48 would make 47 the last. Every 4th layer full
+# attention (16 query / 2 KV heads x 256, sigmoid output gate, RoPE on the first quarter of each head), the
+# others Gated DeltaNet (16 key / 32 value heads x 128, 4 conv taps); every MLP routes to 10 of 512 experts
+# of width 512 plus a gated shared expert of 512. About 108B parameters (104.7B in the experts), 217 GB in
+# bf16. The AOT checks (`check_memory`) and the draft's shape read it; a run with `target.path` reads the
+# checkpoint's own config.
 PAPER_TARGET = dict(
     family="qwen3_next",
     vocab_size=151936,
     hidden_size=2560,
     intermediate_size=5120,
-    num_layers=48,
+    num_layers=52,
     num_heads=16,
     num_kv_heads=2,
     head_dim=256,
@@ -201,7 +209,7 @@ PAPER_TARGET = dict(
     qk_norm=True,
     max_position_embeddings=262144,
     eos_token_ids=(151645,),
-    layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * 12,
+    layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * 13,
     attn_output_gate=True,
     partial_rotary_factor=0.25,
     norm_unit_offset=True,
@@ -267,10 +275,11 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.data.val_limit = {"paper": 256, "demo": 256, "accel": 256, "smoke": 4}[preset]
     c.data.aux_layer_ids = {
         "paper": (45, 46, 47),
-        "demo": (27, 28, 29),
-        "accel": (27, 28, 29),
+        "demo": (26, 27, 28),
+        "accel": (26, 27, 28),
         "smoke": (1, 2, 3),
     }[preset]
+    c.data.tap_last_layer = False
     c.data.max_length = {"paper": 4096, "demo": 1024, "accel": 2048, "smoke": 256}[preset]
     c.data.pack = preset in ("demo", "accel")
     c.data.num_shards = {"paper": 256, "demo": 4, "accel": 16, "smoke": 2}[preset]

@@ -40,6 +40,13 @@ def run(tmp_path, module, *args):
         ("train", [SMOKE, "--config.train.grad_accum=3"], 2, r"train.global_batch=2 is not divisible"),
         (
             "train",
+            [SMOKE, "--config.data.aux_layer_ids=(2,3,4)"],
+            2,
+            r"aux_layer_ids=\(2, 3, 4\) taps the target's last layer 4: .*sglang: SGLang captures at the "
+            r"input of layer k \+ 1.*aux_layer_ids=\"\(1, 2, 3\)\".*data.tap_last_layer=True",
+        ),
+        (
+            "train",
             [SMOKE, "--config.init.from_target_layers=(0,1)"],
             2,
             r"init.from_target_layers=\(0, 1\) names 2 target layers; the draft has draft.num_layers=3",

@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 
 from configs import baseline, reranker_frozen
 from dspark_jax.groups.baseline import block_states
-from dspark_jax.interop import engines
+from dspark_jax.interop import consumers
 from dspark_jax.run import checkpoints, config_lib, draft_state, target_side
 from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.run.checkpoints import Checkpointer
@@ -393,13 +393,16 @@ def test_training_continues_from_an_imported_draft(exported, mesh8):
 
 
 def test_the_serving_checker_reads_deepspecs_layout(exported):
-    """The export (DeepSpec's layout, no side files) loads in every engine; DeepSpec's own bf16 save, sharded
-    behind an index, differs only in its confidence head, which the engines build in float32."""
+    """The export (DeepSpec's layout and the trainers' own directories, no side files) loads in every
+    consumer; DeepSpec's own bf16 save, sharded behind an index, differs for the engines reading DeepSpec's
+    layout only in its confidence head, which vLLM, SGLang and TensorRT-LLM build in float32."""
     tmp, _, directory, _ = exported
-    assert engines.check_directory(directory) == []
+    assert consumers.check_directory(directory) == []
     config_json = json.loads((directory / "config.json").read_text())
     tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in load_file(directory / "model.safetensors").items()}
     save_hf_checkpoint(tmp / "bf16_served", config_json, tensors, shard_size_bytes=4 << 20)
-    problems = engines.check_directory(tmp / "bf16_served")
-    assert len(problems) == 2 * len(engines.ENGINES), problems
+    main = [name for name, consumer in consumers.CONSUMERS.items() if not consumer.subdir]
+    problems = consumers.check_directory(tmp / "bf16_served", main)
+    assert sorted({line.split(":")[0] for line in problems}) == ["sglang", "trtllm", "vllm"], problems
+    assert len(problems) == 2 * 3, problems
     assert all("confidence_head.proj." in line and "is BF16" in line for line in problems)

@@ -1,22 +1,16 @@
-"""An export the serving engines load: weights, config, SGLang's STS and SPS files, TensorRT-LLM's options.
+"""An export its consumers load: weights, config, SGLang's STS and SPS files, TensorRT-LLM's options.
 
 A smoke baseline run gets an STS calibration (fitted by the project's own STS on synthetic blocks) and a
 profiled SPS table (`calibrate --profile_sps`'s library call, on this CPU), is exported with `--for=all`
-and passes the checker for every engine. The checker's rules come from the engines' loaders; the schemas
-below are written independently from the same sources and decode the files with msgspec, as SGLang does:
-
-  SGLang DSparkStsCalibration: sgl-project/sglang
-    python/sglang/srt/speculative/dspark_components/dspark_sts.py @9e16e2d0e6e9b666c61391686b9e46f5348f2eca
-  SGLang SpsCostTable: python/sglang/srt/speculative/dspark_components/dspark_sps.py
-    @45b76f55042711c33f1e2f0ba2a4281f7a51704a
-  TensorRT-LLM DSparkDecodingConfig: NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py
-    @0004396720054fd8e205cbf616f21f0b57c6b412 (draft_len_schedule's rules)
-  vLLM Qwen3DSparkForCausalLM: vllm-project/vllm vllm/model_executor/models/qwen3_dspark.py
-    @0302ff40439493d0db2e3bbfd509211703375d08 (confidence head in float32)
+and passes the checker for every consumer (`dspark_jax/interop/consumers/`, whose rules cite the
+consumers' code). The consumers' own released code runs on exports in `tests/interop/` (SGLang's parsers
+read the STS and SPS files there).
 
 Broken exports (a missing tensor, a bf16 confidence head, a wrong STS length, a bad SPS table or TRT-LLM
-schedule) fail the checker with a line naming the problem; a group whose own parameters no engine runs is
-refused naming them and what the engines would need, unless its baseline part is asked for alone.
+schedule, the target's last layer) fail the checker for exactly the consumers that would fail, with a line
+naming the problem; a group whose own parameters no engine runs is refused naming them and what the engines
+would need, unless its baseline part is asked for alone; a draft vocabulary is refused by name by the
+consumers that map none.
 """
 
 import json
@@ -39,14 +33,14 @@ from configs import (
 )
 from dspark_jax import groups
 from dspark_jax.data.conversations import PACKAGED_SOURCES
-from dspark_jax.interop import engines
+from dspark_jax.interop import consumers
+from dspark_jax.interop.consumers import side_files
 from dspark_jax.run import checkpoints, deepspec_checkpoint, draft_state
 from dspark_jax.run.deepspec_checkpoint import export_draft
 from dspark_jax.suite import measure
 from dspark_jax.target.checkpoint import default_target_path
 from dspark_jax.target.tokenizer import Tokenizer
 from tests.marks import tiered
-from tests.references import reference
 from tests.test_export import _cli, _save_run
 
 S = 7  # the smoke draft's block size
@@ -102,7 +96,7 @@ def served(tmp_path_factory, mesh8):
     )
     proc, errors = _cli(tmp, "export", f"--checkpoint={tmp / 'run'}", f"--output={tmp / 'out'}", "--for=all")
     assert proc.returncode == 0 and not errors, proc.stderr[-3000:]
-    assert "loads in vllm, sglang, trtllm" in proc.stdout
+    assert "loads in deepspec, vllm, sglang, trtllm, sglang_jax, specforge, speculators" in proc.stdout
     return tmp, record, sps, tmp / "out"
 
 
@@ -112,51 +106,23 @@ def test_the_export_holds_every_engines_files_and_passes_the_checker(served):
     assert {
         "config.json",
         "model.safetensors",
-        engines.STS_FILE,
-        engines.SPS_FILE,
-        engines.TRTLLM_FILE,
+        side_files.STS_FILE,
+        side_files.SPS_FILE,
+        side_files.TRTLLM_FILE,
     } <= names
-    assert engines.check_directory(out) == []
-    sts = json.loads((out / engines.STS_FILE).read_text())
+    assert consumers.check_directory(out) == []
+    sts = json.loads((out / side_files.STS_FILE).read_text())
     assert sts["temperatures"] == record["temperatures"]["greedy"] and len(sts["temperatures"]) == S
     assert sts["ece_after"] == record["ece"]["greedy"]["held_out"]["after"] and sts["mode"] == "greedy"
     assert sts["temperatures"] != [1.0] * S  # a real fit, not the identity
-    table = json.loads((out / engines.SPS_FILE).read_text())
+    table = json.loads((out / side_files.SPS_FILE).read_text())
     assert table == sps and "cpu" in table["device"].lower()
     assert table["sample_batch_tokens"] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]  # 1 x 1..8, 2 x 1..8
     assert table["max_batch_tokens"] == 2 * (S + 1)
-    spec = yaml.safe_load((out / engines.TRTLLM_FILE).read_text())["speculative_config"]
+    spec = yaml.safe_load((out / side_files.TRTLLM_FILE).read_text())["speculative_config"]
     assert spec["decoding_type"] == "DSpark" and spec["max_draft_len"] == spec["block_size"] == S
     assert spec["mask_token_id"] == 16 and spec["speculative_model_dir"] == str(out.resolve())
     assert set(spec["draft_len_schedule"]) == {1, 2} and spec["draft_len_schedule"][1] == S
-
-
-def test_sglangs_own_schemas_decode_the_files(served):
-    """msgspec structs with SGLang's field names and types (sources in the module docstring) decode the STS
-    and SPS files strictly, as `load_sts_calibration_from_path` and `load_sps_table_from_path` do."""
-    msgspec = reference("msgspec")
-
-    class Sts(msgspec.Struct, frozen=True):
-        temperatures: list[float]
-        dataset: str = ""
-        num_samples: int = 0
-        ece_before: list[float] = []  # noqa: RUF012 (msgspec copies defaults)
-        ece_after: list[float] = []  # noqa: RUF012
-
-    class Sps(msgspec.Struct, frozen=True):
-        sample_batch_tokens: list[int]
-        sample_steps_per_sec: list[float]
-        max_batch_tokens: int
-
-    out = served[3]
-    sts = msgspec.json.decode((out / engines.STS_FILE).read_bytes(), type=Sts)
-    assert len(sts.temperatures) == S and min(sts.temperatures) > 0 and sts.num_samples > 0
-    sps = msgspec.json.decode((out / engines.SPS_FILE).read_bytes(), type=Sps)
-    assert (
-        sps.sample_batch_tokens == sorted(set(sps.sample_batch_tokens))
-        and len(sps.sample_steps_per_sec) == 12
-    )
-    assert b'"bias_seconds"' not in (out / engines.SPS_FILE).read_bytes()  # else read as the additive form
 
 
 def test_the_config_reads_as_each_engine_reads_it(served):
@@ -164,7 +130,7 @@ def test_the_config_reads_as_each_engine_reads_it(served):
     c = json.loads((out / "config.json").read_text())
     assert c["architectures"] == ["Qwen3DSparkModel"] and c["model_type"] == "qwen3"
     assert (c["mask_token_id"], c["markov_head_type"], c["block_size"]) == (16, "vanilla", S)
-    assert c["num_target_layers"] == 4 and all(0 <= i < 4 for i in c["target_layer_ids"])
+    assert c["num_target_layers"] == 5 and c["target_layer_ids"] == [1, 2, 3]  # inner layers
     assert "sliding_attention" not in c["layer_types"]  # vLLM: full-attention layers run non-causal
     assert c["dspark_jax"] == {
         "experiment": "baseline",
@@ -183,7 +149,7 @@ def _broken(served, name, edit):
         shutil.rmtree(broken)
     shutil.copytree(out, broken)
     edit(broken)
-    return engines.check_directory(broken)
+    return consumers.check_directory(broken)
 
 
 def _edit_weights(change):
@@ -206,17 +172,21 @@ def _edit_json(name, change):
 
 def _edit_yaml(change):
     def edit(directory):
-        doc = yaml.safe_load((directory / engines.TRTLLM_FILE).read_text())
+        doc = yaml.safe_load((directory / side_files.TRTLLM_FILE).read_text())
         change(doc["speculative_config"])
-        (directory / engines.TRTLLM_FILE).write_text(yaml.safe_dump(doc))
+        (directory / side_files.TRTLLM_FILE).write_text(yaml.safe_dump(doc))
 
     return edit
 
 
+MAIN = ("deepspec", "vllm", "sglang", "trtllm", "sglang_jax")  # the consumers reading the main directory
+FLOAT32_CONFIDENCE = ("vllm", "sglang", "trtllm")
+# case -> (edit of the main directory, a fragment of every expected line, the consumers expected to flag it)
 BROKEN = {
     "missing tensor": (
         _edit_weights(lambda t: t.pop("layers.1.mlp.down_proj.weight")),
-        ["missing tensor layers.1.mlp.down_proj.weight"] * 3,
+        "missing tensor layers.1.mlp.down_proj.weight",
+        MAIN,
     ),
     "bf16 confidence head": (
         _edit_weights(
@@ -224,50 +194,66 @@ BROKEN = {
                 {"confidence_head.proj.weight": t["confidence_head.proj.weight"].astype("bfloat16")}
             )
         ),
-        ["tensor confidence_head.proj.weight is BF16: the confidence head is built and read in float32"] * 3,
+        "tensor confidence_head.proj.weight is BF16, the loader reads F32",
+        FLOAT32_CONFIDENCE,
     ),
     "wrong STS length": (
-        _edit_json(engines.STS_FILE, lambda d: d["temperatures"].pop()),
-        ["sglang: sts_calibration.json: 6 temperatures, SGLang needs one per draft position (block_size=7)"],
+        _edit_json(side_files.STS_FILE, lambda d: d["temperatures"].pop()),
+        "sts_calibration.json: 6 temperatures, SGLang needs one per draft position (block_size=7)",
+        ("sglang",),
     ),
     "non-positive temperature": (
-        _edit_json(engines.STS_FILE, lambda d: d["temperatures"].__setitem__(0, 0.0)),
-        ["sglang: sts_calibration.json: temperatures="],
+        _edit_json(side_files.STS_FILE, lambda d: d["temperatures"].__setitem__(0, 0.0)),
+        "sts_calibration.json: temperatures=",
+        ("sglang",),
     ),
     "unsorted SPS probes": (
-        _edit_json(engines.SPS_FILE, lambda d: d["sample_batch_tokens"].reverse()),
-        ["sample_batch_tokens [16, 14,"],
+        _edit_json(side_files.SPS_FILE, lambda d: d["sample_batch_tokens"].reverse()),
+        "sample_batch_tokens [16, 14,",
+        ("sglang",),
     ),
     "SPS max below its probes": (
-        _edit_json(engines.SPS_FILE, lambda d: d.update(max_batch_tokens=3)),
-        ["max_batch_tokens=3 below the largest probe 16"],
+        _edit_json(side_files.SPS_FILE, lambda d: d.update(max_batch_tokens=3)),
+        "max_batch_tokens=3 below the largest probe 16",
+        ("sglang",),
     ),
     "learned MASK (no row)": (
         _edit_json("config.json", lambda d: d.update(mask_token_id=-1)),
-        ["mask_token_id=-1 outside the vocabulary"] * 2,
+        "mask_token_id=-1 outside the vocabulary",
+        MAIN,
     ),
     "causal layers": (
         _edit_json("config.json", lambda d: d.update(layer_types=["sliding_attention"] * 3)),
-        ["causal attention (sliding layers [0, 1, 2])"] * 3,
+        "causal attention (sliding layers [0, 1, 2])",
+        MAIN,
     ),
-    "markov rank in a sub-config only": (
+    "markov rank in a sub-config only": (  # SGLang reads dflash_config before the top level
         _edit_json("config.json", lambda d: d.update(dflash_config={"markov_rank": d.pop("markov_rank")})),
-        ["markov_rank=None: a positive integer at the top level is required"] * 3,
+        "markov_rank=None: a positive integer at the top level is required",
+        ("deepspec", "vllm", "trtllm", "sglang_jax"),
+    ),
+    "the target's last layer": (
+        _edit_json("config.json", lambda d: d.update(target_layer_ids=[2, 3, 4])),
+        "taps the target's last layer 4",
+        MAIN,
     ),
     "TRT-LLM schedule not starting at the full length": (
         _edit_yaml(lambda s: s.update(draft_len_schedule={1: 3, 4: 2})),
-        ["draft_len_schedule[1]=3: the smallest batch size must map to max_draft_len=7"],
+        "draft_len_schedule[1]=3: the smallest batch size must map to max_draft_len=7",
+        ("trtllm",),
     ),
 }
 
 
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_a_broken_export_fails_the_checker_naming_the_problem(served, case):
-    edit, expected = BROKEN[case]
+    """The main directory broken one way: exactly the consumers whose loaders would fail say so (the
+    trainers read their own directories, unbroken here)."""
+    edit, fragment, expected = BROKEN[case]
     problems = _broken(served, case.replace(" ", "_"), edit)
-    for fragment in expected:
-        assert any(fragment in line for line in problems), (fragment, problems)
-    assert len(problems) >= len(expected) and all(line.split(":")[0] in engines.ENGINES for line in problems)
+    flagged = {line.split(":")[0] for line in problems if fragment in line}
+    assert flagged == set(expected), (fragment, problems)
+    assert {line.split(":")[0] for line in problems} <= set(MAIN), problems
 
 
 def test_the_check_command_lists_problems_and_exits_1(served):
@@ -281,9 +267,12 @@ def test_the_check_command_lists_problems_and_exits_1(served):
         "sglang: weights: missing tensor layers.1.mlp.down_proj.weight"
     )
     proc, errors = _cli(tmp, "export", f"--check={served[3]}")
-    assert proc.returncode == 0 and "loads in vllm, sglang, trtllm" in proc.stdout, proc.stderr[-2000:]
+    assert (
+        proc.returncode == 0
+        and "loads in deepspec, vllm, sglang, trtllm, sglang_jax, specforge, speculators" in proc.stdout
+    ), proc.stderr[-2000:]
     proc, errors = _cli(tmp, "export", f"--check={served[3]}", "--for=tgi")
-    assert proc.returncode == 2 and "--for is wrong: unknown serving engine tgi" in errors[0]
+    assert proc.returncode == 2 and "--for is wrong: unknown consumer tgi" in errors[0]
 
 
 GROUP_CONFIGS = {
@@ -314,15 +303,20 @@ def test_a_group_no_engine_runs_is_refused_naming_what_is_missing_where(group, t
     assert not (tmp_path / "out").exists()
 
 
-def test_a_draft_trained_over_a_draft_vocabulary_is_refused_with_the_fix(tmp_path):
-    """Its Markov head trained only its vocabulary's columns, and the engines propose over all of them."""
+def test_a_draft_vocabulary_is_refused_by_name_where_no_consumer_maps_it(tmp_path):
+    """Named consumers that map no draft vocabulary refuse it before the checkpoint or a cache is read (the
+    path does not exist), each naming why and the fix; the draft's export for vLLM and speculators:
+    `tests/interop/`."""
     config = baseline.get_config("smoke")
     config.train.draft_vocab = 64
-    with pytest.raises(
-        ValueError, match=r"^train.draft_vocab=64: the serving engines' DSpark drafts"
-    ) as error:
-        export_draft(config, tmp_path / "no_run", tmp_path / "out")
-    assert "train.draft_vocab=0" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(ValueError) as error:
+        export_draft(config, tmp_path / "no_run", tmp_path / "out", consumers_text="vllm,sglang,specforge")
+    message = str(error.value)
+    assert message.startswith(
+        "sglang cannot run this draft: SGLang's Markov head covers the whole vocabulary"
+    )
+    assert "specforge cannot run this draft" in message and "vllm" not in message.split(":")[0]
+    assert message.count("train.draft_vocab=0") == 2 and "\n" not in message
     assert not (tmp_path / "out").exists()
 
 
@@ -343,8 +337,8 @@ def test_the_baseline_part_of_a_group_exports_when_asked_and_says_so(served, mes
         "baseline_part_only": True,
         "left_out": ["memory_adapter.*"],
     }
-    assert engines.check_directory(tmp / "memory_out", ("vllm", "sglang")) == []
-    assert not (tmp / "memory_out" / engines.TRTLLM_FILE).exists()  # not asked for
+    assert consumers.check_directory(tmp / "memory_out", ("vllm", "sglang")) == []
+    assert not (tmp / "memory_out" / side_files.TRTLLM_FILE).exists()  # not asked for
     assert not any(k.startswith("memory") for k in load_file(tmp / "memory_out" / "model.safetensors"))
 
 
@@ -358,10 +352,10 @@ def test_every_groups_baseline_part_exports_and_loads(group, served, mesh8):
     tmp = served[0]
     config = GROUP_CONFIGS[group].get_config("smoke")
     _save_run(config, tmp / f"{group}_run", mesh8, np.random.default_rng(4))
-    out = export_draft(config, tmp / f"{group}_run", tmp / f"{group}_out", baseline_part=True)
+    out, _, _ = export_draft(config, tmp / f"{group}_run", tmp / f"{group}_out", baseline_part=True)
     record = json.loads((out / "config.json").read_text())["dspark_jax"]
     assert record["experiment"] == group and record["baseline_part_only"] and record["left_out"]
-    assert engines.check_directory(out) == []
+    assert consumers.check_directory(out) == []
 
 
 def test_the_draft_length_schedule_maximises_expected_throughput_by_hand():
@@ -371,4 +365,4 @@ def test_the_draft_length_schedule_maximises_expected_throughput_by_hand():
     full block, as TensorRT-LLM requires of the smallest batch size."""
     survival = [0.5, 0.25, 0.1, 0.05, 0.02, 0.01, 0.005]
     sps = {"sample_batch_tokens": [1, 8, 16, 64], "sample_steps_per_sec": [100.0, 100.0, 50.0, 10.0]}
-    assert engines.draft_len_schedule(survival, sps, [8, 1, 2], S) == {1: S, 2: 3, 8: 0}
+    assert side_files.draft_len_schedule(survival, sps, [8, 1, 2], S) == {1: S, 2: 3, 8: 0}

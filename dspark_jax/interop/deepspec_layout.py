@@ -249,6 +249,8 @@ def _draft_keys(cfg: DraftConfig, num_target_layers: int, target_layer_ids: Sequ
         "hidden_act": "silu",
         "tie_word_embeddings": False,
         "layer_types": ["full_attention"] * cfg.num_layers,
+        # Not DeepSpec's key: the engines' (vLLM, SGLang) for DeepSpec's block layout, their default too.
+        "sample_from_anchor": True,
     }
 
 

@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from dspark_jax.inference import calibration
-from dspark_jax.interop import engines
+from dspark_jax.interop.consumers import side_files
 from dspark_jax.run import config_lib
 
 _STATE, _DATA_ITER, _META = "state", "data_iter", "meta"
@@ -248,7 +248,7 @@ def sps_table_file(checkpoint: str | os.PathLike) -> epath.Path:
     """The serving SPS table profiled for the run that `checkpoint` names (the target's on one device,
     whatever the step; `python -m dspark_jax.calibrate --profile_sps`):
     `<workdir>/calibration/sps_table.json`."""
-    return epath.Path(resolve_checkpoint(checkpoint)[0].parent) / "calibration" / engines.SPS_FILE
+    return epath.Path(resolve_checkpoint(checkpoint)[0].parent) / "calibration" / side_files.SPS_FILE
 
 
 def load_calibration(

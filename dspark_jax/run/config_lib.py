@@ -20,6 +20,7 @@ from dspark_jax import groups, sharding
 from dspark_jax.data import conversations
 from dspark_jax.data.batch import FEATURES
 from dspark_jax.errors import UsageError
+from dspark_jax.interop import consumers
 from dspark_jax.kernels.block_attention import DEFAULT_BLOCK_SIZES, IMPLEMENTATIONS
 from dspark_jax.run import online
 
@@ -207,18 +208,38 @@ def _check_draft_vocab(config) -> None:
 def _check_aux_layers(config) -> None:
     """The aux layer ids name layers of the target that `target.arch` describes: the one built at random
     (`target.random_init`), or with no `target.path` the embedded default's or the paper's shape (what the
-    shape-only tools compile). A checkpoint at `target.path` is checked against its own depth when read."""
+    shape-only tools compile). A checkpoint at `target.path` is checked against its own depth when read
+    (`check_aux_layers`, before any cache is built)."""
     target = config.target
     arch = target.get("arch")
     if arch is None or (target.path and not target.random_init):
         return
-    depth = arch.num_layers
-    bad = [i for i in config.data.aux_layer_ids if not -1 <= i < depth]
+    check_aux_layers(config, arch.num_layers)
+
+
+def check_aux_layers(config, depth: int) -> None:
+    """`data.aux_layer_ids` name layers -1 (embedding output) .. `depth - 1` of a target `depth` layers deep,
+    and not its last layer, which no serving engine captures (`consumers.LAST_LAYER`), unless
+    `data.tap_last_layer` allows it (then, or for a run stored before the key existed, a warning)."""
+    ids = tuple(config.data.aux_layer_ids)
+    bad = [i for i in ids if not -1 <= i < depth]
     if bad:
         raise UsageError(
-            f"data.aux_layer_ids={tuple(config.data.aux_layer_ids)} names layer {bad[0]}, but the target "
-            f"(target.arch) has {depth} decoder layers: use ids -1 (embedding output) .. {depth - 1}"
+            f"data.aux_layer_ids={ids} names layer {bad[0]}, but the target has {depth} decoder layers: "
+            f"use ids -1 (embedding output) .. {depth - 2} (its last layer {depth - 1} no engine serves)"
         )
+    if depth - 1 not in ids:
+        return
+    why = f"its output is captured by no serving engine ({consumers.last_layer_readers()})"
+    allowed = config.data.get("tap_last_layer")  # None: stored before the key (a trained run, read again)
+    if allowed is False:
+        inner = tuple(i - (ids[-1] - depth + 2) for i in ids)
+        raise UsageError(
+            f"data.aux_layer_ids={ids} taps the target's last layer {depth - 1}: {why}; tap inner layers "
+            f'(e.g. --config.data.aux_layer_ids="{inner}"), or set data.tap_last_layer=True to train a '
+            "draft that no engine serves"
+        )
+    log.warning("data.aux_layer_ids=%s taps the target's last layer %d: %s", ids, depth - 1, why)
 
 
 def _check_block_sizes(draft) -> None:

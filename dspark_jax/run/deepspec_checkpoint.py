@@ -26,9 +26,10 @@ from flax import nnx
 
 from dspark_jax import groups, sharding
 from dspark_jax.inference import calibration
+from dspark_jax.interop import consumers
 from dspark_jax.interop import deepspec_layout as layout
-from dspark_jax.interop import engines
-from dspark_jax.run import checkpoints, config_lib, draft_state
+from dspark_jax.interop.consumers import side_files as files_lib
+from dspark_jax.run import checkpoints, config_lib, draft_state, target_side
 from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.run.checkpoints import Checkpointer
 from dspark_jax.target import TargetConfig, target_from_config
@@ -112,7 +113,7 @@ def _left_out(config, cfg, shapes: dict[layout.ParamPath, tuple[int, ...]], name
 
 def _sts(config, calibration_record: dict, mode: str, step: int) -> dict:
     held_out = calibration_record["ece"][mode]["held_out"]
-    return engines.sts_file(
+    return files_lib.sts_file(
         calibration_record["temperatures"][mode],
         dataset=config.data.val_source or "gsm8k_val256",
         num_samples=calibration_record["blocks"]["fit"],
@@ -134,7 +135,8 @@ def _mean_survival(calibration_record: dict, mode: str) -> list[float]:
 
 
 def side_files(config, checkpoint, step: int, config_json: dict, output: Path, for_engines, sts_mode: str):
-    """The engines' own files for `for_engines` from the run's calibration of `step` and its SPS table
+    """The engines' own files for `for_engines` (consumer names) from the run's calibration of `step` and
+    its SPS table
     (each only when it was made: `python -m dspark_jax.calibrate [--profile_sps]`), by file name."""
     sts_path, sps_path = (
         checkpoints.calibration_file(checkpoint, step),
@@ -145,9 +147,9 @@ def side_files(config, checkpoint, step: int, config_json: dict, output: Path, f
     files = {}
     if "sglang" in for_engines:
         if record is not None:
-            files[engines.STS_FILE] = _sts(config, record, sts_mode, step)
+            files[files_lib.STS_FILE] = _sts(config, record, sts_mode, step)
         if sps is not None:
-            files[engines.SPS_FILE] = sps
+            files[files_lib.SPS_FILE] = sps
         for path, what in ((sts_path, record), (sps_path, sps)):
             if what is None:
                 log.warning(
@@ -160,10 +162,10 @@ def side_files(config, checkpoint, step: int, config_json: dict, output: Path, f
     if "trtllm" in for_engines:
         schedule = None
         if record is not None and sps is not None:
-            schedule = engines.draft_len_schedule(
+            schedule = files_lib.draft_len_schedule(
                 _mean_survival(record, sts_mode), sps, sps["rows"], config.draft.block_size
             )
-        files[engines.TRTLLM_FILE] = engines.trtllm_options(config_json, str(output.resolve()), schedule)
+        files[files_lib.TRTLLM_FILE] = files_lib.trtllm_options(config_json, str(output.resolve()), schedule)
     return files
 
 
@@ -172,38 +174,37 @@ def export_draft(
     checkpoint: str | os.PathLike,
     output: str | os.PathLike,
     *,
-    for_engines=engines.ENGINES,
+    consumers_text: str = "all",
     baseline_part: bool = False,
     sts_mode: str = "greedy",
-) -> Path:
-    """Writes the draft of `checkpoint` (trained with `config`) as a DeepSpec directory `output`, with the
-    side files of `for_engines`, and checks the directory against their loaders (`engines.check_directory`).
+) -> tuple[Path, tuple[str, ...], dict[str, str]]:
+    """Writes the draft of `checkpoint` (trained with `config`) for the consumers `consumers_text` names
+    ('all' or a comma list, `interop.consumers`): `output` in DeepSpec's layout (with a draft vocabulary,
+    vLLM's `d2t` form), a directory of their own below it for the consumers that want one, the engines'
+    side files; then checks every directory against its consumer's loader. Returns the directory, the
+    consumers written for and `{consumer: why not}` for those 'all' left out.
 
-    A group with parameters of its own is refused (its `serving_gap` named) unless `baseline_part`: then
-    the baseline DSpark draft inside it is written alone, recorded under `dspark_jax` in `config.json`."""
+    Everything that can refuse the export does before anything is written: a consumer that cannot run the
+    draft (named consumers must all run it), a group with parameters of its own (its `serving_gap` named)
+    unless `baseline_part`: then the baseline DSpark draft inside it is written alone, recorded under
+    `dspark_jax` in `config.json`."""
+    if sts_mode not in calibration.MODES:
+        raise ValueError(f"STS mode must be one of {calibration.MODES}, got {sts_mode!r}")
     target = target_shape(config)
     cfg = draft_state.draft_config(config, target)
     _, abstract, _ = draft_state.abstract_draft(config, target)
     named = {t.path for t in layout.tensor_layout(cfg).values()}
     shapes = {p: x.shape for p, x in _flat(abstract).items()}
     left_out = _left_out(config, cfg, shapes, named, baseline_part)
-    if size := config.train.get("draft_vocab", 0):
-        raise ValueError(
-            f"train.draft_vocab={size}: the serving engines' DSpark drafts propose over the whole vocabulary "
-            "(DeepSpec's layout has no draft-to-target id map), and this draft's Markov head trained only "
-            "its vocabulary's columns; export a draft trained with train.draft_vocab=0"
-        )
-    if sts_mode not in calibration.MODES:
-        raise ValueError(f"STS mode must be one of {calibration.MODES}, got {sts_mode!r}")
-    aux_ids = config.data.aux_layer_ids
-    if target.num_layers - 1 in aux_ids:
-        log.warning(
-            "data.aux_layer_ids %s include the target's last layer %d: DeepSpec's evaluator refuses such a "
-            "draft (its output_hidden_states hold the post-norm state there)",
-            tuple(aux_ids),
-            target.num_layers - 1,
-        )
+    aux_ids = tuple(config.data.aux_layer_ids)
+    vocab = config.train.get("draft_vocab", 0) or None
+    facts = consumers.DraftFacts(target.num_layers, aux_ids, target.vocab_size, vocab)
+    chosen, refused = consumers.choose(consumers_text, facts)
+    for name, why in refused.items():
+        log.warning("not exported for %s: %s", name, why)
     mesh = sharding.make_mesh(config.mesh.to_dict())
+    ids_K = draft_vocabulary(config, mesh)
+
     hf_config, tensors = target_tensors(config, mesh)
     _, params, _, step = draft_state.restore_draft(config, target, mesh, checkpoint)
     config_json = layout.deepspec_config(
@@ -223,15 +224,37 @@ def export_draft(
     }
     host = {path: np.asarray(jax.device_get(x)) for path, x in _flat(params).items() if path in named}
     tensors |= layout.to_deepspec(host, cfg, config.experiment)
+    if ids_K is not None:
+        config_json, tensors = consumers.with_draft_vocabulary(config_json, tensors, ids_K)
     directory = layout.write_directory(output, config_json, tensors)
-    engines.write_side_files(
-        directory, side_files(config, checkpoint, step, config_json, directory, for_engines, sts_mode)
+    for name in chosen:
+        consumer = consumers.CONSUMERS[name]
+        if consumer.form is not None:
+            layout.write_directory(directory / consumer.subdir, *consumer.form(config_json, tensors))
+    files_lib.write_side_files(
+        directory, side_files(config, checkpoint, step, config_json, directory, chosen, sts_mode)
     )
-    problems = engines.check_directory(directory, for_engines)
+    problems = consumers.check_directory(directory, chosen)
     if problems:
         raise ValueError(f"{directory} would not load: " + "; ".join(problems))
-    log.info("exported step %d of %s to %s (%d tensors)", step, checkpoint, directory, len(tensors))
-    return directory
+    log.info(
+        "exported step %d of %s to %s (%d tensors) for %s", step, checkpoint, directory, len(tensors), chosen
+    )
+    return directory, chosen, refused
+
+
+def draft_vocabulary(config, mesh) -> np.ndarray | None:
+    """The token ids a draft trained with `train.draft_vocab` proposes from (the run's training cache's
+    most used, `target_side.training_vocabulary`), sorted; None for a whole-vocabulary draft."""
+    size = config.train.get("draft_vocab", 0)
+    if not size:
+        return None
+    side = (
+        target_side.side_from_target(target_side.load_run_target(config, mesh), mesh)
+        if config.target.random_init
+        else target_side.side_from_checkpoint(config, mesh)
+    )
+    return np.sort(target_side.training_vocabulary(config, side, size))
 
 
 def import_draft(config, directory: str | os.PathLike, workdir: str | os.PathLike) -> Path:

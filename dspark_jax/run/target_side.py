@@ -23,7 +23,7 @@ from dspark_jax.data.batch import reads_states
 from dspark_jax.draft.model import FrozenTarget, make_draft_vocab
 from dspark_jax.errors import UsageError
 from dspark_jax.inference import vocabulary
-from dspark_jax.run import draft_state, online
+from dspark_jax.run import config_lib, draft_state, online
 from dspark_jax.target import Target, TargetConfig, eos_ids, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
 from dspark_jax.target.load import TensorReader, abstract_model, tensor_reader
@@ -181,6 +181,7 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
         return target
 
     draft_state.target_layer_ids(config, side.config)  # refused before the caches, not after
+    config_lib.check_aux_layers(config, side.config.num_layers)
     online_run = not reads_states(config)
     if online_run:
         check_online_fits(config, side.config, mesh)

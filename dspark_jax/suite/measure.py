@@ -20,7 +20,7 @@ from dspark_jax import groups
 from dspark_jax.inference import calibration, scheduler
 from dspark_jax.inference.decoder import SpeculativeDecoder
 from dspark_jax.inference.timing import time_cycle_phases
-from dspark_jax.interop import engines
+from dspark_jax.interop.consumers import side_files
 from dspark_jax.run import checkpoints, config_lib, decoding, draft_state, target_side
 from dspark_jax.suite import plots
 from dspark_jax.target import Target
@@ -105,7 +105,7 @@ def profile_serving_sps(
         for b in rows
     ]
     device = jax.devices()[0]
-    table = engines.sps_file(
+    table = side_files.sps_file(
         [n for t in tables for n in t.tokens],
         [v for t in tables for v in t.sps],
         max(rows) * (config.draft.block_size + 1),

@@ -63,7 +63,10 @@ def test_features_match_direct_forward(mesh1):
             ("last_hidden", last, out.hidden_BxTxH[0]),
         ):
             assert feature.dtype == ml_dtypes.bfloat16 and feature.shape == want.shape
-            steps[name].append(bf16.steps(feature, bf16.rounded(want)).ravel())
+            # Near zero a float32 reassociation moves a value by whole bf16 steps (2.198e-07 vs 2.217e-07 in
+            # a 70-token sample on an AMD EPYC host): there an absolute 1e-6 of the scale counts as equal.
+            near = np.abs(feature.astype(np.float32) - want) <= 1e-6 * np.abs(want).max()
+            steps[name].append(np.where(near, 0, bf16.steps(feature, bf16.rounded(want))).ravel())
     for name, found in steps.items():
         found = np.concatenate(found)
         assert found.max() <= 1, f"{name}: an element {found.max()} bf16 steps away"

@@ -17,7 +17,7 @@ from tests.target import hf_hybrid
 
 transformers = reference("transformers")
 
-AUX = (1, 2, 3)  # the smoke preset's: full attention, Gated DeltaNet, full attention (the last layer)
+AUX = (0, 1, 2)  # Gated DeltaNet, full attention, Gated DeltaNet: inner layers of both kinds
 BF16_STEP = 2.0**-7  # bf16 keeps 8 significant bits: rounding moves a value by at most half this, relative
 
 
@@ -76,6 +76,7 @@ def test_a_smoke_run_trains_on_the_hybrid_cache(checkpoint, cache, tmp_path):
     config.target.path = str(directory)
     config.target.random_init = False
     config.data.train_cache = config.data.val_cache = path
+    config.data.aux_layer_ids = AUX
     config.mesh.fsdp = 1
     config.train.total_steps = config.train.stop_step = 6
     config.train.eval_every = 0

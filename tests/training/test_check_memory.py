@@ -176,10 +176,12 @@ def test_target_forward_splits_the_experts_over_devices_and_the_bytes_add_up():
 
 def test_paper_target_is_qwen3_next_at_the_seeds_width():
     """`PAPER_TARGET` is what the loader makes of Qwen3-Next-80B-A3B's config (transformers' defaults, with
-    that checkpoint's rope_theta, MLP width and context) at hidden size 2560; its aux layers 45-47 fit."""
+    that checkpoint's rope_theta, MLP width and context) at hidden size 2560 and 52 layers (13 times its
+    pattern); its aux layers 45-47 are inner layers, which every engine captures."""
     from transformers import Qwen3NextConfig
 
     hf = Qwen3NextConfig(
+        num_hidden_layers=52,
         hidden_size=2560,
         intermediate_size=5120,
         max_position_embeddings=262144,
@@ -189,7 +191,7 @@ def test_paper_target_is_qwen3_next_at_the_seeds_width():
     paper = baseline.get_config("paper")
     target = TargetConfig.from_json(paper.target.arch.to_dict())
     assert from_hf_config(hf.to_dict()) == target
-    assert target.num_layers == 48 and target.num_experts == 512 and target.hidden_size == 2560
+    assert target.num_layers == 52 and target.num_experts == 512 and target.hidden_size == 2560
     assert paper.data.aux_layer_ids == (45, 46, 47) and paper.draft.mask_token_id < target.vocab_size
     config_lib.validate(paper)
 
@@ -197,9 +199,9 @@ def test_paper_target_is_qwen3_next_at_the_seeds_width():
 def test_aux_layer_ids_past_the_targets_depth_are_refused():
     config = baseline.get_config("paper")
     with config.unlocked():
-        config.data.aux_layer_ids = (46, 47, 48)
+        config.data.aux_layer_ids = (50, 51, 52)
     with pytest.raises(
-        UsageError, match=r"names layer 48, but the target .* 48 decoder layers: use ids -1 .* 47$"
+        UsageError, match=r"names layer 52, but the target has 52 decoder layers: use ids -1 .* 50 \(its last"
     ):
         config_lib.validate(config)
     with config.unlocked():
@@ -237,3 +239,24 @@ def test_target_forward_compiles_for_a_tpu_topology_with_libtpu():
     assert report["device_kind"] == "TPU v5" and report["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert report["expert_sharding"]["expert,embed,mlp"] == "P(None, 'fsdp', None)"
     assert report["per_device_bytes"]["expert_parameters"] == 4 * 3 * 8 * 64 * 32 * 4 // 4
+
+
+def test_the_targets_last_layer_is_refused_unless_asked_for(caplog):
+    """No engine captures the last layer's output: a config tapping it fails before any work, naming the
+    engines; `data.tap_last_layer` turns that into a warning, as does a run stored before the key existed
+    (a trained draft is still evaluated)."""
+    config = baseline.get_config("smoke")
+    with config.unlocked():
+        config.data.aux_layer_ids = (2, 3, 4)
+    with pytest.raises(UsageError, match=r"taps the target's last layer 4: .*vllm.*sglang.*deepspec"):
+        config_lib.validate(config)
+    config.data.tap_last_layer = True
+    config_lib.validate(config)
+    stored = config_lib.to_stored(config)
+    del stored["data"]["tap_last_layer"]
+    config_lib.validate(config_lib.from_stored(stored))
+    assert sum("taps the target's last layer 4" in r.message for r in caplog.records) == 2
+    for preset in base.PRESETS:  # every preset taps inner layers
+        preset_config = baseline.get_config(preset)
+        assert max(preset_config.data.aux_layer_ids) < preset_config.target.arch.num_layers - 1
+        config_lib.validate(preset_config)

@@ -258,11 +258,22 @@ def draft_vocabulary(config, mesh) -> np.ndarray | None:
 
 
 def import_draft(config, directory: str | os.PathLike, workdir: str | os.PathLike) -> Path:
-    """Reads the DeepSpec draft `directory` into `workdir` as step 0 of a `config` run; returns the
-    checkpoints directory. The config must describe the same draft (checked key by key first)."""
+    """Reads the draft `directory` into `workdir` as step 0 of a `config` run; returns the checkpoints
+    directory. `directory` is DeepSpec's layout, or a SpecForge or speculators DSpark draft in their own
+    forms (`consumers.as_deepspec`; the tensors' names are DeepSpec's in all three, the target's embedding
+    and LM head are the config's target's). The config must describe the same draft (checked key by key
+    first); a draft vocabulary is refused (the project's is the run's training text's, not the file's)."""
     directory = Path(directory)
-    config_json = layout.read_config(directory)
+    source, config_json = consumers.as_deepspec(layout.read_config(directory))
     target = target_shape(config)
+    if config_json.get("num_target_layers") is None:  # speculators records no target depth
+        config_json["num_target_layers"] = target.num_layers
+    size = config_json.get("draft_vocab_size") or config_json.get("vocab_size")
+    if size != config_json.get("vocab_size"):
+        raise ValueError(
+            f"{directory}: a draft vocabulary of {size} tokens ({source}'s form): import takes drafts over "
+            "the whole vocabulary"
+        )
     cfg = draft_state.draft_config(config, target)
     layout.check_config(
         config_json,
@@ -286,6 +297,7 @@ def import_draft(config, directory: str | os.PathLike, workdir: str | os.PathLik
         "config": config_lib.to_stored(config),
         "pretrained_steps": 0,
         "imported_from": str(directory),
+        "imported_form": source,
     }
     with Checkpointer(Path(workdir) / "checkpoints", max_to_keep=config.train.max_to_keep) as checkpointer:
         checkpointer.save(0, state, meta=meta, force=True)

@@ -9,7 +9,7 @@ directory of their own below it for the consumers whose loaders want another con
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ CONSUMERS: dict[str, Consumer] = {
 __all__ = [
     "CONSUMERS",
     "LAST_LAYER",
+    "as_deepspec",
     "Consumer",
     "DraftFacts",
     "check_directory",
@@ -76,6 +77,15 @@ def check_directory(export: str | Path, names: Sequence[str] = tuple(CONSUMERS))
             CONSUMERS[name].check(config, specs, problems, directory)
         out += problems
     return out
+
+
+def as_deepspec(config: Mapping) -> tuple[str, dict]:
+    """`(consumer, DeepSpec config.json)` of a draft directory's config.json in any consumer's own form (a
+    SpecForge or speculators checkpoint read back; DeepSpec's as it is)."""
+    for consumer in CONSUMERS.values():
+        if consumer.reads is not None and consumer.reads(config):
+            return consumer.name, consumer.read(config)
+    return "deepspec", dict(config)
 
 
 def refusal(name: str, facts: DraftFacts) -> str | None:

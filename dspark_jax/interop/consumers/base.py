@@ -54,7 +54,8 @@ class Consumer:
     `check(config, specs, problems, directory)` adds a line per rule the directory breaks (its side files
     read from `directory`); `form(config, tensors)` makes
     the consumer's own `(config.json, tensors)` from the main directory's (None: it reads the main one);
-    `refuse(facts)` says why the consumer cannot run the draft and what would make it work (None: it can).
+    `refuse(facts)` says why the consumer cannot run the draft and what would make it work (None: it can);
+    `reads` / `read` import a draft in the consumer's own form (a trainer's checkpoint).
     """
 
     name: str
@@ -63,6 +64,10 @@ class Consumer:
     refuse: Callable[[DraftFacts], str | None]
     subdir: str = ""  # '' = the export's main directory
     form: Callable[[dict[str, Any], Tensors], tuple[dict[str, Any], Tensors]] | None = None
+    # A draft this consumer wrote (trained elsewhere) read back: `reads(config)` says whether a config.json is
+    # of its form, `read(config)` gives the DeepSpec config.json it describes (its tensors keep their names).
+    reads: Callable[[Mapping[str, Any]], bool] | None = None
+    read: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
 
 
 # ---- Shared rules --------------------------------------------------------------------------------------

@@ -56,6 +56,23 @@ def form(config: dict[str, Any], tensors: base.Tensors) -> tuple[dict[str, Any],
     return own, {k: v for k, v in tensors.items() if k not in layout.TARGET_TENSORS}
 
 
+def reads(config: Mapping[str, Any]) -> bool:
+    return config.get("architectures") == [ARCHITECTURE] and isinstance(config.get("dflash_config"), dict)
+
+
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The DeepSpec config of a SpecForge draft (its `specforge export --to hf` or `form`'s): the DSpark keys
+    from `dflash_config`, where SpecForge reads them [specforge-keys]."""
+    nested = config["dflash_config"]
+    if nested.get("markov_head_type", "vanilla") != "vanilla":
+        raise ValueError(f"a {nested['markov_head_type']!r} Markov head: this project's drafts are vanilla")
+    return (
+        dict(config)
+        | {key: nested[key] for key in KEYS if key in nested}
+        | {"architectures": ["Qwen3DSparkModel"]}
+    )
+
+
 def refuse(facts: base.DraftFacts) -> str | None:
     if facts.draft_vocab_size:
         return (
@@ -144,4 +161,6 @@ CONSUMER = base.Consumer(
     refuse=refuse,
     subdir="specforge",
     form=form,
+    reads=reads,
+    read=read,
 )

@@ -89,6 +89,41 @@ def form(config: dict[str, Any], tensors: base.Tensors) -> tuple[dict[str, Any],
     return own, tensors
 
 
+def reads(config: Mapping[str, Any]) -> bool:
+    return config.get("speculators_model_type") == MODEL_TYPE
+
+
+def read(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The DeepSpec config of a speculators DSpark draft: the layer shape from `transformer_layer_config`,
+    the aux ids back to layer outputs (- 1) [speculators-layers]; `num_target_layers` only where `form`
+    wrote it (speculators records no target depth). A block laid out DFlash's way is refused."""
+    if config.get("sample_from_anchor") is not True:
+        raise ValueError(
+            "sample_from_anchor is not true: the draft's blocks are DFlash's 1 + N layout (slot 0 the bonus "
+            "token), one slot off this project's [speculators-config]"
+        )
+    if config.get("markov_head_type") != "vanilla":
+        raise ValueError(
+            f"a {config.get('markov_head_type')!r} Markov head: this project's drafts are vanilla"
+        )
+    layer = dict(config["transformer_layer_config"])
+    rope = layer.get("rope_parameters") or {}
+    keys = ("block_size", "mask_token_id", "markov_rank", "markov_head_type", "enable_confidence_head")
+    return (
+        layer
+        | {key: config[key] for key in keys}
+        | {
+            "architectures": ["Qwen3DSparkModel"],
+            "model_type": "qwen3",
+            "rope_theta": layer.get("rope_theta", rope.get("rope_theta")),
+            "target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]],
+            "confidence_head_with_markov": config["confidence_head_with_markov"],
+            "num_target_layers": config.get("num_target_layers"),
+            "draft_vocab_size": config.get("draft_vocab_size"),
+        }
+    )
+
+
 def refuse(facts: base.DraftFacts) -> str | None:
     return None  # a draft vocabulary maps through t2d / d2t
 
@@ -172,4 +207,6 @@ CONSUMER = base.Consumer(
     refuse=refuse,
     subdir="speculators",
     form=form,
+    reads=reads,
+    read=read,
 )

@@ -219,7 +219,8 @@ def _check_aux_layers(config) -> None:
 
 def check_aux_layers(config, depth: int) -> None:
     """`data.aux_layer_ids` name layers -1 (embedding output) .. `depth - 1` of a target `depth` layers deep,
-    and not its last layer, which no serving engine captures (`consumers.LAST_LAYER`), unless
+    and not its last layer, which SGLang, sglang-jax, DeepSpec, SpecForge and speculators cannot read
+    (`consumers.LAST_LAYER`), unless
     `data.tap_last_layer` allows it (then, or for a run stored before the key existed, a warning)."""
     ids = tuple(config.data.aux_layer_ids)
     bad = [i for i in ids if not -1 <= i < depth]
@@ -230,7 +231,7 @@ def check_aux_layers(config, depth: int) -> None:
         )
     if depth - 1 not in ids:
         return
-    why = f"its output is captured by no serving engine ({consumers.last_layer_readers()})"
+    why = f"its output is read by vLLM alone ({consumers.last_layer_readers()})"
     allowed = config.data.get("tap_last_layer")  # None: stored before the key (a trained run, read again)
     if allowed is False:
         inner = tuple(i - (ids[-1] - depth + 2) for i in ids)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +30,11 @@ from flax import nnx
 
 from configs import baseline, memory
 from dspark_jax import sharding
+from dspark_jax.interop import consumers
 from dspark_jax.run import draft_state, target_side
 from dspark_jax.run.deepspec_checkpoint import export_draft
 from dspark_jax.target import target_from_config
+from tests.references import reference_package_dir
 from tests.test_export import _save_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +120,9 @@ def make_export(
     side = target_side.side_from_target(target, mesh)
     if draft_vocab:  # the vocabulary ranks the training cache's tokens: build the smoke caches
         side, _ = target_side.prepare_target_side(config, mesh)
-    graphdef, params, rest = _save_run(config, root / "run", mesh, np.random.default_rng(0))
+    # Another draw for each group: a baseline part equal to the baseline's would hide a mix-up of the two.
+    seed = 0 if group is baseline else 2
+    graphdef, params, rest = _save_run(config, root / "run", mesh, np.random.default_rng(seed))
     directory, _, _ = export_draft(config, root / "run", root / "out", consumers_text=consumers, **kwargs)
     model = nnx.merge(graphdef, params, rest)
     if group is not baseline:
@@ -130,10 +135,17 @@ def memory_export(root: Path) -> Export:
     return make_export(root, memory, baseline_part=True)
 
 
+# The consumers' releases the tests run, installed without their dependencies (their pins would pull a CUDA
+# build of torch): README's test command installs these, and `setup.cfg`'s `test` extra what they import.
+CONSUMERS_INSTALL = "pip install --no-deps -r tests/interop/consumers.txt && pip install -e '.[test]'"
+
+
 def run_consumer(
     name: str, directory: Path, inputs: dict[str, np.ndarray], tmp: Path
 ) -> dict[str, np.ndarray]:
-    """Runs `tests/interop/consumer_<name>.py` on `directory` in a fresh interpreter; its outputs."""
+    """Runs `tests/interop/consumer_<name>.py` on `directory` in a fresh interpreter; its outputs. A missing
+    consumer package fails the test naming the install (`tests.references`)."""
+    reference_package_dir(name, CONSUMERS_INSTALL)
     tmp.mkdir(parents=True, exist_ok=True)
     np.savez(tmp / "inputs.npz", **inputs)
     script = Path(__file__).with_name(f"consumer_{name}.py")
@@ -161,9 +173,38 @@ def differences(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> dict
     return out
 
 
+def copy_for(export: Export, name: str, tmp: Path, edit=None) -> Path:
+    """A copy of the directory consumer `name` reads of `export`, at `tmp`, `edit` applied to its config."""
+    directory = Path(shutil.copytree(consumers.directory_of(export.directory, name), tmp))
+    if edit:
+        edit_config(directory, edit)
+    return directory
+
+
+def shift_layers(by: int):
+    """A config edit moving `target_layer_ids` by `by` layers."""
+    return lambda config: config.update(target_layer_ids=[i + by for i in config["target_layer_ids"]])
+
+
 def edit_config(directory: Path, edit) -> None:
     """Rewrites `directory/config.json` with `edit(config)` applied (a broken copy's)."""
     path = directory / "config.json"
     config = json.loads(path.read_text())
     edit(config)
     path.write_text(json.dumps(config, indent=2))
+
+
+def matches(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> bool:
+    """The consumer's outputs are the JAX draft's: the same predecessors, every output within RTOL."""
+    d = differences(got, want)
+    return d["predecessors"] == 0 and max(d["base"], d["markov"], d["confidence"]) <= RTOL
+
+
+def assert_matches(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert matches(got, want), differences(got, want)
+
+
+def assert_differs(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    """The consumer's base, Markov and confidence logits are each far (> 100 RTOL) from the JAX draft's."""
+    d = differences(got, want)
+    assert min(d["base"], d["markov"], d["confidence"]) > 100 * RTOL, d

@@ -248,7 +248,10 @@ def test_the_targets_last_layer_is_refused_unless_asked_for(caplog):
     config = baseline.get_config("smoke")
     with config.unlocked():
         config.data.aux_layer_ids = (2, 3, 4)
-    with pytest.raises(UsageError, match=r"taps the target's last layer 4: .*vllm.*sglang.*deepspec"):
+    with pytest.raises(
+        UsageError,
+        match=r"taps the target's last layer 4: its output is read by vLLM alone \(deepspec: .*sglang: ",
+    ):
         config_lib.validate(config)
     config.data.tap_last_layer = True
     config_lib.validate(config)

@@ -31,9 +31,9 @@ CONSUMERS: dict[str, Consumer] = {
 __all__ = [
     "CONSUMERS",
     "LAST_LAYER",
-    "as_deepspec",
     "Consumer",
     "DraftFacts",
+    "as_deepspec",
     "check_directory",
     "choose",
     "last_layer_readers",
@@ -90,10 +90,11 @@ def as_deepspec(config: Mapping) -> tuple[str, dict]:
 
 def refusal(name: str, facts: DraftFacts) -> str | None:
     """Why consumer `name` cannot run the draft `facts` describes and what would make it work, else None."""
-    if facts.target_layer_ids and facts.target_layer_ids[-1] == facts.num_target_layers - 1:
+    last = facts.num_target_layers - 1
+    if name in LAST_LAYER and facts.target_layer_ids and facts.target_layer_ids[-1] == last:
         return (
             f"target_layer_ids {list(facts.target_layer_ids)} tap the target's last layer "
-            f"{facts.num_target_layers - 1}, whose output {LAST_LAYER[name]}: retrain on inner layers "
+            f"{last}, whose output {LAST_LAYER[name]}: retrain on inner layers "
             "(data.aux_layer_ids)"
         )
     return CONSUMERS[name].refuse(facts)

@@ -111,8 +111,9 @@ QWEN3_SHAPE_KEYS = (
 
 
 def layer_ids(ids: Any, num_target_layers: Any, out: Problems, tag: str, where: str = "config.json") -> bool:
-    """`ids` (layer outputs, DeepSpec's convention) increase within the target's layers and spare its last,
-    whose output no consumer reads (`LAST_LAYER`); False when they are not a list of layer indices."""
+    """`ids` (layer outputs, DeepSpec's convention) increase within the target's layers, and spare its last
+    where the consumer cannot read that layer's output (`LAST_LAYER`); False when they are not a list of
+    layer indices."""
     if not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)):
         out.add(where, f"target_layer_ids={ids!r}, expected a non-empty list of layer indices [{tag}]")
         return False
@@ -121,7 +122,7 @@ def layer_ids(ids: Any, num_target_layers: Any, out: Problems, tag: str, where: 
     if is_int(num_target_layers):
         if ids[-1] >= num_target_layers:
             out.add(where, f"target_layer_ids={ids} past the target's {num_target_layers} layers [{tag}]")
-        elif ids[-1] == num_target_layers - 1:
+        elif ids[-1] == num_target_layers - 1 and out.consumer in LAST_LAYER:
             out.add(
                 where,
                 f"target_layer_ids={ids} taps the target's last layer {num_target_layers - 1}, whose output "
@@ -130,13 +131,13 @@ def layer_ids(ids: Any, num_target_layers: Any, out: Problems, tag: str, where: 
     return True
 
 
-# What each consumer does with an aux layer id that is the target's last layer (the ids are layer outputs,
-# DeepSpec's `target_layer_ids`): none of them reads that layer's output. Each module's tags cite the code.
+# The consumers that cannot read the target's last layer's output as an aux layer (the ids are layer outputs,
+# DeepSpec's `target_layer_ids`), and why; each module's tags cite the code. vLLM can (it captures id
+# num_layers after the last layer, raw, as this project's caches hold it: [vllm-layers]); TensorRT-LLM's
+# capture code was not read.
 LAST_LAYER = {
     "deepspec": "DeepSpec's evaluator refuses [deepspec-layers]",
-    "vllm": "vLLM captures at the input of layer k + 1, and none follows the last [vllm-layers]",
     "sglang": "SGLang captures at the input of layer k + 1, and none follows the last [sglang-capture]",
-    "trtllm": "TensorRT-LLM captures as vLLM does, at the input of layer k + 1 [trtllm]",
     "sglang_jax": "sglang-jax captures at the input of layer k + 1; none follows the last [sgljax-capture]",
     "specforge": "SpecForge reads as hidden_states[k + 1], there the final norm's output [specforge-layers]",
     "speculators": "speculators' data pipeline splits off as the training target [speculators-layers]",
@@ -144,7 +145,7 @@ LAST_LAYER = {
 
 
 def last_layer_readers() -> str:
-    """One line: why no consumer serves a draft that taps the target's last layer."""
+    """One line: who cannot serve or train a draft that taps the target's last layer, and why."""
     return "; ".join(f"{name}: {why}" for name, why in LAST_LAYER.items())
 
 

@@ -17,7 +17,8 @@ PyPI release sglang 0.5.23 (paths below `sglang/srt/`):
                     `markov_head_type` vanilla/gated/rnn, `mask_token_id` required and below the vocabulary,
                     gamma from `block_size`, `target_layer_ids` within [0, num_target_layers)
                     (`num_target_layers` else the draft's own depth); `enable_confidence_head` absent: a
-                    warning (the head exists when `SGLANG_RAGGED_VERIFY_MODE` is not 'static', the default).
+                    warning (SGLang builds the head, and reads the side files, only with
+                    `SGLANG_RAGGED_VERIFY_MODE` set to another mode than its default 'static').
   [sglang-capture]  models/qwen3.py, models/llama.py `set_dflash_layers_to_capture` and model_executor/
                     model_runner_components/spec_aux_hidden_state.py: layer k's output is captured at the
                     input of layer k + 1, in ascending layer order; the last layer's never (the draft then

@@ -96,12 +96,20 @@ def check(c: Mapping[str, Any], specs: base.Specs, out: base.Problems, directory
         out.add(
             "config.json",
             "no dflash_config: SpecForge reads the DSpark keys only there, and without them builds a draft "
-            "with no Markov or confidence head on layers [1, 1, 1] (export --for=specforge) [specforge-keys]",
+            "with no Markov or confidence head, on layers of its own choosing (export --for=specforge) "
+            "[specforge-keys]",
         )
         return
     missing = [key for key in KEYS if key not in nested]
     if missing:
         out.add("config.json", f"dflash_config lacks {', '.join(missing)} [specforge-keys]")
+    drifted = [key for key in KEYS if key in nested and key in c and c[key] != nested[key]]
+    if drifted:
+        out.add(
+            "config.json",
+            f"dflash_config's {', '.join(drifted)} differ from the top level's: SpecForge reads the nested "
+            "ones [specforge-keys]",
+        )
     shape_ok = base.positive_ints(c, base.QWEN3_SHAPE_KEYS, out)
     if not (base.is_int(c.get("block_size")) and c["block_size"] >= 2):
         out.add(

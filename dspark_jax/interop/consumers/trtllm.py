@@ -8,6 +8,7 @@ build):
             decoding_type 'DSpark'; mask_token_id, target_layer_ids, block_size (= max_draft_len),
             markov_rank, markov_head_type vanilla/gated/rnn; draft_len_schedule {batch size >= 1: draft
             length in [0, max_draft_len]}, its smallest key mapping to max_draft_len; no draft vocabulary.
+            (Its target's aux capture code was not read: the last layer is not checked for it.)
 """
 
 from __future__ import annotations

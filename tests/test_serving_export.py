@@ -14,6 +14,7 @@ consumers that map none.
 """
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -273,6 +274,53 @@ def test_the_check_command_lists_problems_and_exits_1(served):
     ), proc.stderr[-2000:]
     proc, errors = _cli(tmp, "export", f"--check={served[3]}", "--for=tgi")
     assert proc.returncode == 2 and "--for is wrong: unknown consumer tgi" in errors[0]
+
+
+def _main_only(directory):
+    """The main directory alone: what a trainer's loader meets when pointed at it."""
+    for sub in ("specforge", "speculators"):
+        shutil.rmtree(directory / sub)
+
+
+# The four ways the exports of 2026-12-06 failed in the consumers' own code: each consumer's check names it
+# and the fix (issue 48). `--for`, the edit of the export's copy, and the consumer's line.
+CONSUMER_FAILURES = {
+    "specforge reads the main directory": (
+        "specforge",
+        _main_only,
+        r"^specforge: config.json: no dflash_config: SpecForge reads the DSpark keys only there.*"
+        r"export --for=specforge",
+    ),
+    "speculators reads the main directory": (
+        "speculators",
+        _main_only,
+        r"^speculators: config.json: speculators_model_type=None: .*auto-conversion.*"
+        r"export --for=speculators",
+    ),
+    "aux layers tapping the target's last layer": (
+        "sglang",
+        _edit_json("config.json", lambda d: d.update(target_layer_ids=[2, 3, 4])),
+        r"^sglang: config.json: target_layer_ids=\[2, 3, 4\] taps the target's last layer 4, whose output "
+        r"SGLang captures at the input of layer k \+ 1.*retrain on inner layers \(data.aux_layer_ids\)",
+    ),
+    "a draft vocabulary": (
+        "sglang",
+        _edit_json("config.json", lambda d: d.update(draft_vocab_size=256)),
+        r"^sglang: config.json: draft_vocab_size=256: SGLang's markov_w2 covers the whole vocabulary; train "
+        r"with train.draft_vocab=0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONSUMER_FAILURES))
+def test_the_check_command_refuses_what_failed_in_the_consumers_naming_the_fix(served, case):
+    name, edit, line = CONSUMER_FAILURES[case]
+    tmp, folder = served[0], case.replace(" ", "_").replace("'", "")
+    _broken(served, folder, edit)
+    proc, errors = _cli(tmp, "export", f"--check={tmp / folder}", f"--for={name}")
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-2000:]
+    assert f"for {name} (listed above)" in errors[0], errors
+    assert any(re.search(line, out) for out in proc.stdout.splitlines()), proc.stdout
 
 
 GROUP_CONFIGS = {

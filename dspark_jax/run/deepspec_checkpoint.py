@@ -201,7 +201,7 @@ def export_draft(
     facts = consumers.DraftFacts(target.num_layers, aux_ids, target.vocab_size, vocab)
     chosen, refused = consumers.choose(consumers_text, facts)
     for name, why in refused.items():
-        log.warning("not exported for %s: %s", name, why)
+        log.info("not exported for %s: %s", name, why)
     mesh = sharding.make_mesh(config.mesh.to_dict())
     ids_K = draft_vocabulary(config, mesh)
 

@@ -51,12 +51,19 @@ def main(workdir: Path, export: Path, out: Path) -> None:
     hidden[:, -1] = np.asarray(output.hidden_BxTxH)  # transformers' last entry: the final norm's output
     inputs = {"input_ids": ids, "hidden": hidden, "anchors": np.asarray([[3, 17, 30, 44], [0, 12, 25, 50]])}
     want = exports.reference(model, side, config, inputs, mesh)
-    report = {"workdir": str(workdir), "step": step, "export": str(export), "draft_vocab": None if ids_K is None else len(ids_K)}
+    report = {
+        "workdir": str(workdir),
+        "step": step,
+        "export": str(export),
+        "draft_vocab": None if ids_K is None else len(ids_K),
+    }
     for name in ("vllm", "speculators"):
         directory = consumers.directory_of(export, name)
         got = exports.run_consumer(name, directory, inputs, out / name)
         report[name] = {"directory": str(directory), **exports.differences(got, want)}
-        report[name]["greedy_agreement"] = float(np.mean(got["markov"].argmax(-1) == want["markov"].argmax(-1)))
+        report[name]["greedy_agreement"] = float(
+            np.mean(got["markov"].argmax(-1) == want["markov"].argmax(-1))
+        )
         print(name, report[name])
     report["problems"] = consumers.check_directory(export, ("vllm", "speculators"))
     (out / "consumers.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from dspark_jax import sharding  # noqa: E402
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl  # noqa: E402
+from dspark_jax.interop import consumers  # noqa: E402
 from dspark_jax.run import checkpoints, draft_state, target_side  # noqa: E402
 from dspark_jax.run.deepspec_checkpoint import draft_vocabulary  # noqa: E402
-from dspark_jax.interop import consumers  # noqa: E402
 from tests.interop import exports  # noqa: E402
 
 

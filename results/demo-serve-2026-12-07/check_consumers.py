@@ -4,8 +4,8 @@
 
 WORKDIR is the run (`workdirs/memory-demo`), EXPORT what `python -m dspark_jax.export --checkpoint=WORKDIR
 --output=EXPORT --baseline_part` wrote. The first GSM8K prompts (two rows of 64 tokens) go through the run's
-target (its states as transformers lists them: the embedding output, then each layer's); each consumer's script of
-`tests/interop/` loads its directory strictly with the consumer's own loader and runs its forward on
+target (its states as transformers lists them: the embedding output, then each layer's); each consumer's
+script of `tests/interop/` loads its directory strictly with the consumer's own loader and runs its forward on
 blocks of those prompts; the JAX draft's baseline part (stage 1 of Draft Memory: the memory model without
 memory, the draft that was exported) runs on the same blocks. Prints and writes `OUT_DIR/consumers.json`.
 """

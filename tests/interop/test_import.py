@@ -17,11 +17,7 @@ from dspark_jax.interop.consumers import specforge
 from dspark_jax.run import checkpoints, draft_state
 from dspark_jax.run.deepspec_checkpoint import import_draft, target_shape
 from tests.interop import exports
-
-
-@pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    return exports.make_export(tmp_path_factory.mktemp("import"))
+from tests.marks import tiered
 
 
 def _params(config, workdir):
@@ -49,16 +45,19 @@ def _as_trainers_write(directory, name):
     save_file(tensors, str(directory / layout.WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("form", ["deepspec", "specforge", "speculators", "specforge-own", "speculators-own"])
-def test_every_form_imports_bit_for_bit(export, form, tmp_path):
+FORMS = ["deepspec", "specforge", "speculators", "specforge-own", "speculators-own"]
+
+
+@pytest.mark.parametrize("form", tiered(FORMS, fast=["deepspec", "speculators-own"], slow=FORMS))
+def test_every_form_imports_bit_for_bit(baseline, form, tmp_path):
     name = form.split("-")[0]
-    source = export.directory if name == "deepspec" else export.directory / name
+    source = baseline.directory if name == "deepspec" else baseline.directory / name
     if form.endswith("-own"):
         source = shutil.copytree(source, tmp_path / "own")
         _as_trainers_write(source, name)
-    import_draft(export.config, source, tmp_path / "run")
-    got = _params(export.config, tmp_path / "run")
-    want = _params(export.config, export.directory.parent / "run")
+    import_draft(baseline.config, source, tmp_path / "run")
+    got = _params(baseline.config, tmp_path / "run")
+    want = _params(baseline.config, baseline.directory.parent / "run")
     assert got.keys() == want.keys()
     assert all(np.array_equal(got[p], want[p]) for p in want), [
         p for p in want if not np.array_equal(got[p], want[p])
@@ -80,9 +79,9 @@ def test_every_form_imports_bit_for_bit(export, form, tmp_path):
         ),
     ],
 )
-def test_what_is_not_this_projects_draft_is_refused_before_writing(export, edit, message, tmp_path):
-    source = shutil.copytree(export.directory / "speculators", tmp_path / "broken")
+def test_what_is_not_this_projects_draft_is_refused_before_writing(baseline, edit, message, tmp_path):
+    source = shutil.copytree(baseline.directory / "speculators", tmp_path / "broken")
     exports.edit_config(source, edit)
     with pytest.raises(ValueError, match=message):
-        import_draft(export.config, source, tmp_path / "run")
+        import_draft(baseline.config, source, tmp_path / "run")
     assert not (tmp_path / "run").exists()

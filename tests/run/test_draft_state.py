@@ -118,7 +118,7 @@ def test_layers_from_the_target_restore_exactly_its_tensors_and_keep_the_rest(me
             np.asarray(var.get_value()),
             np.asarray(dict(nnx.to_flat_state(fresh))[path].get_value()),
         )
-        source = ("layers", (0, 2, 3)[path[1]], *path[2:]) if path[0] == "layers" else None
+        source = ("layers", (0, 2, 4)[path[1]], *path[2:]) if path[0] == "layers" else None  # -1: the 5th
         if source in own:
             np.testing.assert_array_equal(value, np.asarray(own[source].get_value()), err_msg=str(path))
             copied += 1
@@ -131,7 +131,7 @@ def test_layers_from_the_target_restore_exactly_its_tensors_and_keep_the_rest(me
     "change, message",
     [
         (dict(layers=(0, 1)), r"names 2 target layers; the draft has draft.num_layers=3"),
-        (dict(layers=(0, 1, 4)), r"layer 4 is not among the target's 4"),
+        (dict(layers=(0, 1, 5)), r"layer 5 is not among the target's 5"),
         (dict(layers=(0, 1, 2), num_heads=2), r"set draft.num_heads=4, num_kv_heads=2, head_dim=16"),
     ],
 )

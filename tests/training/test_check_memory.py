@@ -151,7 +151,7 @@ def test_target_forward_splits_the_experts_over_devices_and_the_bytes_add_up():
     config = _smoke_hybrid_moe()
     one = target_forward_memory(config, rows=2)
     eight = target_forward_memory(config, rows=2, devices=jax.devices()[:8])
-    t, h, layers = config.data.max_length, 64, 4
+    t, h, layers = config.data.max_length, 64, 5
     experts = layers * 3 * 8 * h * 32 * 4  # gate, up, down [X, H, I] per layer, float32
     outputs = 2 * t * (len(config.data.aux_layer_ids) + 1) * h * 2  # 2 rows of aux + last hidden, bf16
     for report, devices in ((one, 1), (eight, 8)):

@@ -126,7 +126,7 @@ def _compare(cache_dir, pack, steps=3, preset="smoke", same_forward=False, **dat
         ("smoke", True, {}, 1e-6, 1e-9),
         # Extended: the chunked feature pass's states equal the whole one's (the chunks test below).
         pytest.param("smoke", True, {"online_chunks": 2}, 1e-6, 1e-9, marks=EXTENDED),
-        ("smoke-hybrid", True, {}, 3e-6, 1e-9),
+        ("smoke-hybrid", True, {}, 1e-5, 1e-9),
         pytest.param("demo", True, DEMO_DATA, 1e-4, 1e-8, marks=pytest.mark.slow),
         pytest.param("demo", True, DEMO_DATA | {"same_forward": True}, 1e-6, 1e-9, marks=EXTENDED),
     ],
@@ -147,7 +147,8 @@ def test_online_step_equals_the_offline_step_on_the_same_batches(
     (equal to 1e-6, in practice to the last bit). On a tiny Qwen3-Next-shaped target with packed rows the
     Gated DeltaNet layers restart at each sample, as the builder's per-sample forward starts, but the
     packed row cuts a sample into other 64-token chunks than its forward alone does, so the recurrence
-    sums in another order: metrics within 3e-7, the gradient norm within 1.5e-6 (measured). On
+    sums in another order: metrics within 3e-7, the gradient norm within 1.5e-6 (measured on 4 layers; with
+    the fifth, a Gated DeltaNet layer after the aux layers, `l1` moved by 3.9e-6: the test holds 1e-5). On
     SmolLM2-135M (demo) XLA's float32 sums run in another order for the online batch's shape (packed rows of
     1,024) than for the builder's (its own packed rows, as wide as their longest sample's power of two),
     which moves about 0.2% of the state elements by one bf16 step: metrics of a size differ by up to 5.6e-5

@@ -255,6 +255,18 @@ def main_keys(c: Mapping[str, Any], out: Problems, *, arch_ok: bool, tag: str) -
     return shape_ok
 
 
+def deepspec_tensors(
+    c: Mapping[str, Any], specs: Specs, out: Problems, tag: str, *, confidence_dtype: str | None = "F32"
+) -> None:
+    """The tensors of DeepSpec's layout for the config `c` (whole vocabulary, `fc` over A x H): every one
+    required, the target's embedding and LM head optional, nothing else (`tensors`)."""
+    h, v, a = c["hidden_size"], c["vocab_size"], len(c["target_layer_ids"])
+    expected = float_shapes(qwen3_layers(c) | {"fc.weight": (h, a * h)})
+    expected |= markov_and_confidence(c, v, confidence_dtype)
+    target = float_shapes(dict.fromkeys(("embed_tokens.weight", "lm_head.weight"), (v, h)))
+    tensors(specs, expected, target, out, tag)
+
+
 def markov_and_confidence(
     c: Mapping[str, Any], w2_rows: int, confidence_dtype: str | None = "F32"
 ) -> dict[str, tuple[tuple[int, ...], str | None]]:

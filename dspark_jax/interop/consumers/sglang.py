@@ -38,7 +38,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dspark_jax.interop import deepspec_layout as layout
 from dspark_jax.interop.consumers import base
 from dspark_jax.interop.consumers.side_files import SPS_FILE, STS_FILE
 
@@ -95,11 +94,7 @@ def check(c: Mapping[str, Any], specs: base.Specs, out: base.Problems, directory
             "enable_confidence_head is missing: SGLang then assumes a confidence head [sglang-config]",
         )
     if shape_ok:
-        h, v, a = c["hidden_size"], c["vocab_size"], len(ids)
-        expected = base.float_shapes(base.qwen3_layers(c) | {"fc.weight": (h, a * h)})
-        expected |= base.markov_and_confidence(c, v)
-        optional = base.float_shapes(dict.fromkeys(layout.TARGET_TENSORS, (v, h)))
-        base.tensors(specs, expected, optional, out, "sglang-model")
+        base.deepspec_tensors(c, specs, out, "sglang-model")
     if (directory / STS_FILE).is_file():
         _sts(directory / STS_FILE, c, out)
     if (directory / SPS_FILE).is_file():

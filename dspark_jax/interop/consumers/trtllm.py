@@ -42,11 +42,7 @@ def check(c: Mapping[str, Any], specs: base.Specs, out: base.Problems, directory
         out.add("config.json", f"draft_vocab_size={c['draft_vocab_size']}: no draft vocabulary [trtllm]")
         shape_ok = False
     if shape_ok:
-        h, v, a = c["hidden_size"], c["vocab_size"], len(c["target_layer_ids"])
-        expected = base.float_shapes(base.qwen3_layers(c) | {"fc.weight": (h, a * h)})
-        expected |= base.markov_and_confidence(c, v)
-        optional = base.float_shapes(dict.fromkeys(layout.TARGET_TENSORS, (v, h)))
-        base.tensors(specs, expected, optional, out, "trtllm")
+        base.deepspec_tensors(c, specs, out, "trtllm")
     if (directory / TRTLLM_FILE).is_file():
         _options(directory / TRTLLM_FILE, c, out)
 

@@ -1,10 +1,13 @@
-"""Does a trained Draft Memory draft use its memory? Stage-2 metrics with the memory and with it masked.
+"""Does a trained Draft Memory draft use its memory, and its target context? Paired figures of one checkpoint.
 
-  DSPARK_JAX_CACHE=DIR python benchmarks/memory_ablation.py --checkpoint=WORKDIR [--batches=0]
+  DSPARK_JAX_CACHE=DIR python benchmarks/memory_ablation.py --checkpoint=WORKDIR [--control=WORKDIR]
 
-Runs the two-stage evaluation of the checkpoint on its validation cache twice: as trained, and with
-every memory slot marked invalid (the same stage-1 matches and stage-2 anchors, no memory keys). Prints
-both rows and their difference.
+Runs the checkpoint's two-stage evaluation on its whole validation cache once (`training.evaluation`): as
+trained, with every memory slot masked (the same stage-1 matches and stage-2 blocks, no memory keys) and
+without the target context (stage 2 only; stage 1 still picks the blocks with it). Prints each figure and
+the paired difference with its 95% interval over the validation samples. `--control`: a run of the same
+recipe with `--config.draft.memory_states=target` (a perfect stage 1: the target's own final states in the
+memory slots), printed below as the upper bound of what a memory adds at that budget.
 """
 
 from __future__ import annotations
@@ -13,30 +16,29 @@ import argparse
 import sys
 from pathlib import Path
 
-import jax.numpy as jnp
-from flax import nnx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import ablation
-from dspark_jax.groups.memory import model as memory_lib
-from dspark_jax.run import checkpoints, draft_state
-
-NAMES = ("tau_prob", "accept_rate_0", "accept_rate_1", "accept_rate_2", "stage1_mean_matches")
+from dspark_jax.run import checkpoints
+from dspark_jax.training.evaluation import evaluate_checkpoint
 
 
-class MaskedMemoryDraft(memory_lib.MemoryDraft):
-    """The same parameters; every memory slot invalid."""
-
-    def memory(self, *args):
-        full = super().memory(*args)
-        return full._replace(valid_BxNxM=jnp.zeros_like(full.valid_BxNxM))
-
-
-def variants(config, side, graphdef):
-    cfg = draft_state.draft_config(config, side.config)
-    masked = nnx.split(nnx.eval_shape(lambda: MaskedMemoryDraft(cfg, rngs=nnx.Rngs(0))))[0]
-    return {"with memory": (graphdef, side.frozen), "memory masked": (masked, side.frozen)}
+def rows(checkpoint: str, label: str) -> list[str]:
+    config = checkpoints.run_config(checkpoint)
+    if config.experiment != "memory":
+        raise SystemExit(f"error: {checkpoint} is a {config.experiment!r} run, not a Draft Memory one")
+    m = evaluate_checkpoint(config, checkpoint)
+    out = [
+        f"{label}: {checkpoint} (memory_states={config.draft.memory_states}), step {m['step']}, "
+        f"{m['samples']} validation samples",
+        f"  tau_prob {m['tau_prob']:.4f} [{m['tau_prob_low95']:.4f}, {m['tau_prob_high95']:.4f}], "
+        f"stage-1 mean matches {m['stage1_mean_matches']:.3f}",
+    ]
+    for name in ("memory", "context"):
+        out.append(
+            f"  without {name:8s} {m[f'tau_prob_without_{name}']:.4f}   {name} gain "
+            f"{m[f'{name}_gain']:+.4f} [{m[f'{name}_gain_low95']:+.4f}, {m[f'{name}_gain_high95']:+.4f}]"
+        )
+    return out
 
 
 def main():
@@ -44,12 +46,12 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--checkpoint", required=True, help="a Draft Memory work directory")
-    parser.add_argument("--batches", type=int, default=0, help="validation batches (0 = all)")
+    parser.add_argument("--control", default="", help="the same recipe trained with memory_states=target")
     args = parser.parse_args()
-    config = checkpoints.run_config(args.checkpoint)
-    if config.experiment != "memory":
-        raise SystemExit(f"error: {args.checkpoint} is a {config.experiment!r} run, not a Draft Memory one")
-    ablation(args.checkpoint, variants, NAMES, args.batches)
+    lines = rows(args.checkpoint, "draft memory")
+    if args.control:
+        lines += rows(args.control, "perfect memory (upper bound)")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

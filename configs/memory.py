@@ -12,6 +12,10 @@ draft gains the memory adapter (`P`, `gamma`; 6,556,160 parameters at paper shap
                         draft pass per round, the source training's stage 1 uses) or 'disabled' (no
                         memory: an ablation of the same weights); also
                         `python -m dspark_jax.speculate --memory_source=...`.
+  draft.memory_states   training and evaluation: 'draft' (stage 1's own states, the seed's group) or
+                        'target' (the target's final states at the same slots: a perfect stage 1, the
+                        positive control of the memory path and the upper bound of what a memory adds;
+                        decoding still reads the draft's own states).
 """
 
 from configs import base
@@ -22,4 +26,5 @@ def get_config(preset: str = "demo"):
     with config.unlocked():
         config.experiment = "memory"
         config.draft.memory_source = "with_memory"
+        config.draft.memory_states = "draft"
     return config

@@ -8,7 +8,7 @@ import jax
 
 from dspark_jax.draft import blocks, objective
 from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget, vocab_columns
-from dspark_jax.groups.registry import Batch, Design, Experiment, register
+from dspark_jax.groups.registry import HIDE_CONTEXT, Batch, Design, Experiment, register
 
 
 def block_states(
@@ -23,7 +23,9 @@ def block_states(
     """Block targets (derived on device) and final draft states `h [B, N, S, H]` of the blocks at
     `anchors_BxN` (kept where `block_keep_BxN`); `memory` adds per-block key/value sources;
     `block_inputs(anchor_tokens_BxN) -> [B, N, S, H]` builds the blocks' inputs (default the draft's
-    `block_inputs`)."""
+    `block_inputs`). With `batch[HIDE_CONTEXT]` (the context ablation) each block's context ends where it
+    starts: it sees no target context, only its own slots and `memory` (RoPE is relative: nothing else
+    moves)."""
     positions_BxT = batch["positions"]
     targets = blocks.block_targets(
         batch["input_ids"],
@@ -34,12 +36,15 @@ def block_states(
         positions_BxT,
     )
     ctx_BxTxH = model.context(batch["aux_hidden"].astype(model.dtype))
+    starts_BxN = blocks.sample_starts(positions_BxT, anchors_BxN)
+    if batch.get(HIDE_CONTEXT, False):
+        starts_BxN = anchors_BxN.astype(starts_BxN.dtype)
     h_BxNxSxH = model.backbone(
         (block_inputs or (lambda a_BxN: model.block_inputs(frozen, a_BxN)))(targets.predecessors[..., 0]),
         model.context_kv(ctx_BxTxH, positions_BxT),
         anchors_BxN,
         memory,
-        starts_BxN=blocks.sample_starts(positions_BxT, anchors_BxN),
+        starts_BxN=starts_BxN,
     )
     return targets, h_BxNxSxH
 

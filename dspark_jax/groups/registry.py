@@ -35,6 +35,24 @@ class DecodeOption:
 
 
 @dataclasses.dataclass(frozen=True)
+class Ablation:
+    """The same weights evaluated on the same blocks with one of the draft's inputs removed: evaluation sets
+    the batch key `flag` to True (a Python bool, inside the jitted evaluation) and the group's forward leaves
+    that input out. Evaluation logs `tau_prob_without_<name>` and `<name>_gain` (tau_prob minus it, with its
+    paired interval over the validation samples)."""
+
+    name: str
+    flag: str
+    removes: str  # what is left out, for the report
+
+
+# Every group: the target's context features (each block sees only its own slots, and a group's own extra
+# keys such as a memory). A group that picks its blocks in a first pass picks them with the context.
+HIDE_CONTEXT = "hide_context"
+WITHOUT_CONTEXT = Ablation("context", HIDE_CONTEXT, "the target's context features")
+
+
+@dataclasses.dataclass(frozen=True)
 class Design:
     """A group's row of the seed's group table ("initialisation and update scope", "question compared").
 
@@ -111,6 +129,8 @@ class Experiment:
       report_columns: `(metric, column title)` of the group's own `eval/` metrics in a suite's results
         table (blank for the groups without them).
       report_note: one sentence on how to read the group's figures, under the results table.
+      ablations: the group's own inputs whose removal evaluation measures (`Ablation`), besides the
+        target context every group is measured without (`WITHOUT_CONTEXT`).
     """
 
     name: str
@@ -140,6 +160,12 @@ class Experiment:
     suites: tuple[str, ...] = ()
     report_columns: tuple[tuple[str, str], ...] = ()
     report_note: str = ""
+    ablations: tuple[Ablation, ...] = ()
+
+    @property
+    def evaluation_ablations(self) -> tuple[Ablation, ...]:
+        """What evaluation removes, one input at a time: the target context, then the group's own."""
+        return (WITHOUT_CONTEXT, *self.ablations)
 
     @property
     def display_name(self) -> str:

@@ -150,9 +150,33 @@ def _group_columns(groups: list[_Group]) -> list[tuple[str, str]]:
     return list(columns.items())
 
 
+def _ablations(groups: list[_Group]) -> list[str]:
+    """The ablations some row was evaluated without (`Experiment.evaluation_ablations`), each once: the
+    target context first."""
+    names = {}
+    for g in groups:
+        experiment = registry.find(g.name)
+        for ablation in experiment.evaluation_ablations if experiment else ():
+            names.setdefault(ablation.name, None)
+    return list(names)
+
+
+def _ablation_cell(final: Mapping, name: str) -> str:
+    """tau_prob without the input and the paired gain over it with its interval, e.g.
+    `1.512 (+0.341 [+0.320, +0.362])`."""
+    without, gain = final.get(f"eval/tau_prob_without_{name}"), final.get(f"eval/{name}_gain")
+    if without is None:
+        return "-"
+    if gain is None:
+        return _num(without, 4)
+    low, high = final[f"eval/{name}_gain_low95"], final[f"eval/{name}_gain_high95"]
+    return f"{without:.4f} ({gain:+.4f} [{low:+.4f}, {high:+.4f}])"
+
+
 def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int) -> list[str]:
     rates = [f"acc@{i}" for i in range(block)]
     own = _group_columns(groups)
+    ablations = _ablations(groups)
     head = [
         "group",
         "step",
@@ -164,6 +188,7 @@ def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int)
         "s/step",
         "params added",
         *(title for _, title in own),
+        *(f"tau_prob without {name} (gain [95%])" for name in ablations),
     ]
     body = []
     for g in groups:
@@ -185,6 +210,7 @@ def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int)
             _num(statistics.median(g.step_seconds) if g.step_seconds else None, 2),
             "-" if added is None else f"{added:+,}",
             *(_signed(f.get(f"eval/{key}")) for key, _ in own),
+            *(_ablation_cell(f, name) for name in ablations),
         ]
         body.append(cells)
     return comparisons.markdown(head, body)

@@ -255,10 +255,12 @@ class SuiteRun:
         v = open_validation(config, workdir)
         if record is None:
             log.info("suite: evaluating %s on its own blocks", group.name)
-            metrics, samples = measure_checkpoint(v)
+            metrics, samples, ablated = measure_checkpoint(v)
             pretrained = config.init.step if registry.get(config.experiment).init_from else 0
             record = {"step": pretrained + v.step, "samples": v.samples, "own": metrics}  # cumulative
             arrays = {f"own/{k}": x for k, x in samples._asdict().items()}
+            for name, sums in ablated.items():  # the same blocks without one input: `without_<name>/`
+                arrays |= {f"without_{name}/{k}": x for k, x in sums._asdict().items()}
         else:
             with npz.open("rb") as f:
                 arrays = dict(np.load(f))
@@ -270,7 +272,7 @@ class SuiteRun:
                 metrics = record["own"]
                 same = {k.removeprefix("own/"): x for k, x in arrays.items() if k.startswith("own/")}
             else:
-                metrics, samples = measure_checkpoint(v, prefixes)
+                metrics, samples, _ = measure_checkpoint(v, prefixes)
                 same = samples._asdict()
             record["same_prefixes"] = {"group": picker.name, "step": prefixes.step, "metrics": metrics}
             arrays |= {f"same_prefixes/{k}": x for k, x in same.items()}

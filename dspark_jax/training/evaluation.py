@@ -35,12 +35,13 @@ from dspark_jax.training.intervals import SampleSums
 def make_eval_sums(
     graphdef: nnx.GraphDef, experiment: Experiment, features: step_lib.Features | None = None
 ) -> Callable:
-    """Jitted `(params, rest, frozen, batch) -> (sums, block records)` of the experiment's evaluation
-    (`evaluation_with_records`); `features` (online training) first adds the target's states to the batch."""
+    """Jitted `(params, rest, frozen, batch) -> {variant: (sums, block records)}` of the experiment's
+    evaluation (`measured_variants`: as trained, and without each of its `evaluation_ablations`);
+    `features` (online training) first adds the target's states to the batch."""
 
     def sums(params, rest, frozen, batch):
         batch = batch if features is None else features(frozen, batch)
-        return evaluation_with_records(experiment, nnx.merge(graphdef, params, rest), frozen, batch)
+        return measured_variants(experiment, nnx.merge(graphdef, params, rest), frozen, batch)
 
     return jax.jit(sums)
 
@@ -65,13 +66,60 @@ def _host_records(
     return {k: np.asarray(host[k]) for k in records}, sample_keys(host, index)
 
 
-def _finish(experiment: Experiment, total, records: list, keys: list) -> tuple[dict[str, float], SampleSums]:
-    """Metrics of the summed sums and the per-sample sums of the collected block records."""
-    if total is None:
-        raise ValueError("the validation cache yields no batch; it needs at least one micro-batch of samples")
-    metrics = {k: float(x) for k, x in jax.device_get(experiment.metrics(total)).items()}
-    joined = {k: np.concatenate([r[k] for r in records]) for k in ("figure_overlap", "eval_mask")}
-    return metrics, intervals.sample_sums(joined, np.concatenate(keys))
+class _Collected:
+    """The summed sums (on the device they come from), block records and sample keys of one variant over
+    validation micro-batches."""
+
+    def __init__(self):
+        self.total, self.records, self.keys = None, [], []
+
+    def add(self, sums, records: dict[str, np.ndarray], keys: np.ndarray) -> None:
+        self.total = sums if self.total is None else jax.tree.map(lambda a, b: a + b, self.total, sums)
+        self.records.append(records)
+        self.keys.append(keys)
+
+    def finish(self, experiment: Experiment) -> tuple[dict[str, float], SampleSums]:
+        """Metrics of the summed sums and the per-sample sums of the collected block records."""
+        if self.total is None:
+            raise ValueError(
+                "the validation cache yields no batch; it needs at least one micro-batch of samples"
+            )
+        metrics = {k: float(x) for k, x in jax.device_get(experiment.metrics(self.total)).items()}
+        joined = {k: np.concatenate([r[k] for r in self.records]) for k in ("figure_overlap", "eval_mask")}
+        return metrics, intervals.sample_sums(joined, np.concatenate(self.keys))
+
+
+def ablation_metrics(
+    experiment: Experiment, samples: SampleSums, ablated: Mapping[str, tuple[dict, SampleSums]]
+) -> dict[str, float]:
+    """Per ablation `name`: `tau_prob_without_<name>` and `<name>_gain` (tau_prob minus it, paired over
+    the same samples and blocks) with its interval `<name>_gain_low95` / `_high95`."""
+    out = {}
+    for ablation in experiment.evaluation_ablations:
+        metrics, without = ablated[ablation.name]
+        out[f"tau_prob_without_{ablation.name}"] = metrics["tau_prob"]
+        if len(samples.tau_K) > 1:
+            gain = intervals.paired_difference(
+                samples.tau_K, samples.blocks_K, without.tau_K, without.blocks_K
+            )
+            out |= {
+                f"{ablation.name}_gain": gain.estimate,
+                f"{ablation.name}_gain_low95": gain.low,
+                f"{ablation.name}_gain_high95": gain.high,
+            }
+    return out
+
+
+def _finish_variants(
+    experiment: Experiment, collected: Mapping[str, _Collected]
+) -> tuple[dict[str, float], SampleSums, dict[str, SampleSums]]:
+    """The metrics as trained (with each ablation's figures), its per-sample sums and each ablation's."""
+    if not collected:
+        _Collected().finish(experiment)  # the one-line error of an empty validation cache
+    finished = {name: c.finish(experiment) for name, c in collected.items()}
+    metrics, samples = finished.pop(AS_TRAINED)
+    ablated = {name: sums for name, (_, sums) in finished.items()}
+    return metrics | ablation_metrics(experiment, samples, finished), samples, ablated
 
 
 def evaluate(
@@ -86,18 +134,16 @@ def evaluate(
     rules: sharding.Rules = sharding.DEFAULT_RULES,
 ) -> dict[str, float]:
     """Metrics over validation batches (all of them when `max_batches` is 0), summed globally, with
-    `tau_prob_low95` / `tau_prob_high95`: its interval over the validation samples (`intervals.ratio`)."""
-    total, records, keys = None, [], []
+    `tau_prob_low95` / `tau_prob_high95`: its interval over the validation samples (`intervals.ratio`),
+    and each ablation's figures (`ablation_metrics`)."""
+    collected: dict[str, _Collected] = {}
     for index, batch in enumerate(batches):
         if max_batches and index >= max_batches:
             break
         global_batch = to_global(device_fields(batch), mesh, rules)
-        sums, batch_records = eval_sums(params, rest, frozen, global_batch)
-        total = sums if total is None else step_lib.accumulate(total, sums)
-        batch_records, batch_keys = _host_records(batch_records, global_batch, index)
-        records.append(batch_records)
-        keys.append(batch_keys)
-    metrics, samples = _finish(experiment, total, records, keys)
+        for name, (sums, records) in eval_sums(params, rest, frozen, global_batch).items():
+            collected.setdefault(name, _Collected()).add(sums, *_host_records(records, global_batch, index))
+    metrics, samples, _ = _finish_variants(experiment, collected)
     if len(samples.tau_K) > 1:  # a single validation sample has no interval
         tau = intervals.ratio(samples.tau_K, samples.blocks_K)
         metrics |= {"tau_prob_low95": tau.low, "tau_prob_high95": tau.high}
@@ -235,9 +281,30 @@ def evaluation_with_records(
     return sums, {k: x.astype(jnp.float32) for k, x in recorded[0].items()}
 
 
-def _records_fn(v: Validation, prefixes: Prefixes | None) -> Callable:
-    """Jitted `(params, rest, prefix_params, prefix_rest, frozen, batch) -> (sums, records)` of
-    `evaluation_with_records` (online training: the target's states first)."""
+# The variant key of the draft as trained, beside its ablations' names.
+AS_TRAINED = ""
+
+
+def measured_variants(
+    experiment: Experiment,
+    model: nnx.Module,
+    frozen,
+    batch: Mapping[str, jax.Array],
+    prefixes: tuple[Experiment, nnx.Module] | None = None,
+    ablate: bool = True,
+) -> dict[str, tuple[dict[str, jax.Array], dict[str, jax.Array]]]:
+    """`{AS_TRAINED: (sums, records)}` of `evaluation_with_records`, and with `ablate` the same for each of
+    the experiment's `evaluation_ablations` by name (the same blocks, one input removed)."""
+    out = {AS_TRAINED: evaluation_with_records(experiment, model, frozen, batch, prefixes)}
+    for ablation in experiment.evaluation_ablations if ablate else ():
+        ablated = {**batch, ablation.flag: True}
+        out[ablation.name] = evaluation_with_records(experiment, model, frozen, ablated, prefixes)
+    return out
+
+
+def _records_fn(v: Validation, prefixes: Prefixes | None, ablate: bool) -> Callable:
+    """Jitted `(params, rest, prefix_params, prefix_rest, frozen, batch) -> {variant: (sums, records)}` of
+    `measured_variants` (online training: the target's states first)."""
 
     def run(params, rest, prefix_params, prefix_rest, frozen, batch):
         batch = batch if v.features is None else v.features(frozen, batch)
@@ -245,36 +312,42 @@ def _records_fn(v: Validation, prefixes: Prefixes | None) -> Callable:
         if prefixes is not None:
             picker = (prefixes.experiment, nnx.merge(prefixes.graphdef, prefix_params, prefix_rest))
         model = nnx.merge(v.graphdef, params, rest)
-        return evaluation_with_records(v.experiment, model, frozen, batch, picker)
+        return measured_variants(v.experiment, model, frozen, batch, picker, ablate)
 
     return jax.jit(run)
 
 
-def _measured_batches(v: Validation, prefixes: Prefixes | None) -> Iterator[tuple[dict, dict, np.ndarray]]:
-    """Per validation micro-batch: its sums, its block records (`[rows, N, S]`) and `sample_keys`."""
-    fn = _records_fn(v, prefixes)
+def _measured_batches(
+    v: Validation, prefixes: Prefixes | None, ablate: bool
+) -> Iterator[dict[str, tuple[dict, dict[str, np.ndarray], np.ndarray]]]:
+    """Per validation micro-batch: `{variant: (sums, block records [rows, N, S])}` on the host, with the
+    records' `sample_keys`."""
+    fn = _records_fn(v, prefixes, ablate)
     prefix_state = (None, None) if prefixes is None else (prefixes.params, prefixes.rest)
     with sharding.activation_sharding(v.mesh, v.rules):
         for index, batch in enumerate(v.epoch()):
             global_batch = to_global(device_fields(batch), v.mesh, v.rules)
-            sums, records = fn(v.params, v.rest, *prefix_state, v.frozen, global_batch)
-            yield jax.device_get(sums), *_host_records(records, global_batch, index)
+            variants = fn(v.params, v.rest, *prefix_state, v.frozen, global_batch)
+            yield {
+                name: (jax.device_get(sums), *_host_records(records, global_batch, index))
+                for name, (sums, records) in variants.items()
+            }
 
 
 def block_records(v: Validation, prefixes: Prefixes | None = None) -> list[dict[str, np.ndarray]]:
     """Per validation micro-batch, the teacher-forced per-block records of `objective.recording_blocks`
     (`[rows, N, S]` arrays) of the experiment's own evaluation forward (on `prefixes`' blocks if given)."""
-    return [records for _, records, _ in _measured_batches(v, prefixes)]
+    return [variants[AS_TRAINED][1] for variants in _measured_batches(v, prefixes, ablate=False)]
 
 
 def measure_checkpoint(
     v: Validation, prefixes: Prefixes | None = None
-) -> tuple[dict[str, float], SampleSums]:
-    """One pass over `v`'s validation batches: the metrics (as `evaluate`, on `prefixes`' blocks if given)
-    and the per-sample sums of tau_prob and the accept rates."""
-    total, records, keys = None, [], []
-    for sums, batch_records, batch_keys in _measured_batches(v, prefixes):
-        total = sums if total is None else jax.tree.map(np.add, total, sums)
-        records.append(batch_records)
-        keys.append(batch_keys)
-    return _finish(v.experiment, total, records, keys)
+) -> tuple[dict[str, float], SampleSums, dict[str, SampleSums]]:
+    """One pass over `v`'s validation batches: the metrics (as `evaluate`, on `prefixes`' blocks if given,
+    with each ablation's figures), the per-sample sums of tau_prob and the accept rates, and each ablation's
+    per-sample sums by name."""
+    collected: dict[str, _Collected] = {}
+    for variants in _measured_batches(v, prefixes, ablate=True):
+        for name, measured in variants.items():
+            collected.setdefault(name, _Collected()).add(*measured)
+    return _finish_variants(v.experiment, collected)

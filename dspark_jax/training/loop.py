@@ -321,10 +321,14 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 writer.write(offset + step, {f"eval/{k}": v for k, v in metrics.items()})
                 last = last | {f"eval/{k}": v for k, v in metrics.items()}
                 log.info(
-                    "step %d eval: tau_prob %.4f, accept_rate_0 %.4f",
+                    "step %d eval: tau_prob %.4f, accept_rate_0 %.4f%s",
                     step,
                     metrics["tau_prob"],
                     metrics["accept_rate_0"],
+                    "".join(
+                        f", without {a.name} {metrics[f'tau_prob_without_{a.name}']:.4f}"
+                        for a in experiment.evaluation_ablations
+                    ),
                 )
             # Every process reaches the preemption sync point on every step.
             stop = guard.should_stop(step)

@@ -52,11 +52,11 @@ def _softplus(z):
     return np.logaddexp(0.0, z)
 
 
-def _forward(p, emb, mask_vec, batch, anchors, memory=None):
+def _forward(p, emb, mask_vec, batch, anchors, memory=None, context=True):
     """Final draft states `h [B, N, S, H]`, float64, one sample at a time, dense visibility masks.
 
     `memory`: None, or per-block `(states [B, N, M, H] (adapted), positions [B, N, M], valid [B, N, M])`,
-    keys/values visible to their own block only.
+    keys/values visible to their own block only. `context=False`: no block sees a context position.
     """
     ids = np.asarray(batch["input_ids"])
     aux = np.asarray(batch["aux_hidden"], np.float64)
@@ -77,7 +77,7 @@ def _forward(p, emb, mask_vec, batch, anchors, memory=None):
         slot_pos = (a_n[:, None] - start_n[:, None] + np.arange(S)).reshape(-1)
         blk = np.repeat(np.arange(n_blocks), S)
         j = np.arange(t)[None, :]
-        own_context = (j < a_n[blk][:, None]) & (j >= start_n[blk][:, None])
+        own_context = (j < a_n[blk][:, None]) & (j >= start_n[blk][:, None]) & context
         visible = np.concatenate([own_context, blk[:, None] == blk[None, :]], 1)
         if memory is not None:
             states, mem_positions, mem_valid = (np.asarray(v) for v in memory)

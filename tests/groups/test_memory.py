@@ -270,8 +270,9 @@ def test_a_checkpoint_of_the_other_group_is_refused_naming_the_parameters(mesh1,
             draft_state.restore_draft(configs[loaded], target, mesh1, tmp_path / saved)
 
 
-def _reference_two_stage(p, emb, lm_head, mask_vec, batch):
-    """Both stages in float64 NumPy from the seed's text: greedy first error, transition, adapter, stage 2."""
+def _reference_two_stage(p, emb, lm_head, mask_vec, batch, context2=True, memory2=True):
+    """Both stages in float64 NumPy from the seed's text: greedy first error, transition, adapter, stage 2
+    (without the target context: `context2=False`; without its memory: `memory2=False`)."""
     ids, loss_mask = np.asarray(batch["input_ids"]), np.asarray(batch["loss_mask"])
     positions = np.asarray(batch["positions"])
     anchors, keep = np.asarray(batch["anchors"]), np.asarray(batch["block_keep"])
@@ -297,8 +298,8 @@ def _reference_two_stage(p, emb, lm_head, mask_vec, batch):
             for k in range(m + 2, S + 1):  # the seed's 1-based h_k, RoPE position a + k
                 states[b, n, k - 2] = _rms(h1[b, n, k - 1] @ p["memory_adapter/proj/kernel"], 1.0)
                 states[b, n, k - 2] *= p["memory_adapter/norm/scale"]
-                mem_positions[b, n, k - 2], mem_valid[b, n, k - 2] = a + k, True
-    h2 = _forward(p, emb, mask_vec, batch, new_anchors, (states, mem_positions, mem_valid))
+                mem_positions[b, n, k - 2], mem_valid[b, n, k - 2] = a + k, memory2
+    h2 = _forward(p, emb, mask_vec, batch, new_anchors, (states, mem_positions, mem_valid), context2)
     out = _metrics(p, h2, lm_head, batch, new_anchors, new_keep)
     out["stage1_mean_matches"] = np.mean(matches)
     out["transition_kept"] = out["valid_blocks"] / len(matches)

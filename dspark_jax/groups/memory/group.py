@@ -21,18 +21,31 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.draft import objective
+from dspark_jax.draft import blocks, objective
 from dspark_jax.draft.model import FrozenTarget
 from dspark_jax.groups.baseline import block_states, objective_sums
 from dspark_jax.groups.memory import model as memory_lib
-from dspark_jax.groups.registry import Batch, DecodeOption, Design, Experiment, register
+from dspark_jax.groups.registry import (
+    HIDE_CONTEXT,
+    Ablation,
+    Batch,
+    DecodeOption,
+    Design,
+    Experiment,
+    register,
+)
 from dspark_jax.inference import engine
+
+# The memory ablation: stage 2 without memory slots (the same stage 1, the same stage-2 blocks).
+HIDE_MEMORY = "hide_memory"
 
 
 def _stage1(stage1: memory_lib.MemoryDraft, frozen: FrozenTarget, batch: Batch):
     """Stage 1 on the batch's anchors (no memory, no gradient): its block targets, states `h1`, leading
-    matches `m` and the transition to the stage-2 anchors `a' = a + m + 1`."""
+    matches `m` and the transition to the stage-2 anchors `a' = a + m + 1`. It picks the blocks stage 2 is
+    measured on, so it sees the target context under the context ablation too (stage 2 does not)."""
     anchors_BxN, keep_BxN = batch["anchors"], batch["block_keep"]
+    batch = {**batch, HIDE_CONTEXT: False}
     targets1, h1_BxNxSxH = block_states(stage1, frozen, batch, anchors_BxN, keep_BxN)
     h1_BxNxSxH = jax.lax.stop_gradient(h1_BxNxSxH)
     matches_BxN = jax.lax.stop_gradient(memory_lib.leading_matches(stage1, frozen, h1_BxNxSxH, targets1))
@@ -63,7 +76,12 @@ def two_stage_sums(
     """
     anchors_BxN = batch["anchors"]
     targets1, h1_BxNxSxH, matches_BxN, step = _stage1(stage1, frozen, batch)
-    memory = model.memory(h1_BxNxSxH, anchors_BxN, matches_BxN, step.keep_BxN)
+    sources_BxNxSxH = h1_BxNxSxH
+    if model.cfg.memory_states == "target":  # the positive control: a perfect stage 1
+        sources_BxNxSxH = blocks.teacher_hidden(batch["last_hidden"], anchors_BxN, model.cfg.block_size)
+    memory = model.memory(sources_BxNxSxH, anchors_BxN, matches_BxN, step.keep_BxN)
+    if batch.get(HIDE_MEMORY, False):
+        memory = memory._replace(valid_BxNxM=jnp.zeros_like(memory.valid_BxNxM))
     targets2, h2_BxNxSxH = block_states(model, frozen, batch, step.anchors_BxN, step.keep_BxN, memory)
     sums = objective_sums(model, frozen, batch, step.anchors_BxN, targets2, h2_BxNxSxH)
 
@@ -168,6 +186,7 @@ MEMORY = register(
         suites=("seed",),
         report_note="Draft Memory's own tau_prob is measured on its stage-2 anchors.",
         prefixes=stage2_prefixes,
+        ablations=(Ablation("memory", HIDE_MEMORY, "the memory slots (stage 2 on the same blocks)"),),
         prefixes_note="They are its stage-2 anchors a' = a + m + 1, after its stage-1 draft's first error "
         "on a uniformly drawn anchor a: the only blocks on which it has a memory (as in decoding). "
         "Its own figure is measured there, so every other row is too: the same-prefix columns ask what the "

@@ -30,6 +30,7 @@ from dspark_jax.draft.model import DraftConfig, DraftMemory, DSparkDraft, Frozen
 from dspark_jax.nn import Dtype, Linear, RMSNorm
 
 MEMORY_SOURCES = ("with_memory", "no_memory", "disabled")
+MEMORY_STATES = ("draft", "target")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +42,22 @@ class MemoryDraftConfig(DraftConfig):
         inference naturally runs; 'no_memory' = one extra memory-free draft pass per round, the source
         training uses (its stage 1); 'disabled' = no memory at all (an ablation: the same weights drafting
         like the baseline). Inference only: no parameter depends on it.
+      memory_states: what training and teacher-forced evaluation fill the memory with: 'draft' = stage 1's
+        final states (the seed's Draft Memory) or 'target' = the target's own final states at the same
+        slots (a perfect stage 1: slot `j` holds `S[a+j+1]`, the teacher of the prediction it sits after;
+        the positive control of the memory path, and the upper bound of what a memory can add).
+        Decoding always reads the draft's own states.
     """
 
     memory_source: str = "with_memory"
+    memory_states: str = "draft"
 
     def __post_init__(self):
         super().__post_init__()
         if self.memory_source not in MEMORY_SOURCES:
             raise ValueError(f"draft memory_source={self.memory_source!r}; choose one of {MEMORY_SOURCES}")
+        if self.memory_states not in MEMORY_STATES:
+            raise ValueError(f"draft memory_states={self.memory_states!r}; choose one of {MEMORY_STATES}")
 
 
 class MemoryAdapter(nnx.Module):

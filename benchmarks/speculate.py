@@ -37,7 +37,7 @@ from dspark_jax import sharding
 from dspark_jax.data.conversations import GSM8K_VAL256, read_turns_jsonl
 from dspark_jax.inference.decoder import SpecReport
 from dspark_jax.inference.timing import time_cycle_phases
-from dspark_jax.run import checkpoints, decoding, draft_state
+from dspark_jax.run import checkpoints, decoding, draft_state, target_side
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import prompt_ids
 from dspark_jax.target.generate import GenerationStats, SamplingParams
@@ -110,7 +110,9 @@ def main():
     if args.checkpoint:
         draft = draft_state.restore_draft(config, target.config, mesh, args.checkpoint)[:3]
     else:
-        draft = draft_state.init_draft(config, target.config, mesh)
+        draft = draft_state.init_draft(
+            config, target.config, mesh, target_side.target_reader(config, lambda: target)
+        )
     conversations = read_turns_jsonl(GSM8K_VAL256)[: args.prompts]
     prompts = [
         prompt_ids(target.tokenizer, target.chat_template, [{"role": "user", "content": c[0]}]).tolist()

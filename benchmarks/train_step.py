@@ -117,7 +117,7 @@ def time_step(
     experiment = groups.get(config.experiment)
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     target = preset_target(config, shape_only)
-    graphdef, params, rest = draft_state.init_draft(config, target, mesh)
+    graphdef, params, rest = draft_state.init_draft(draft_state.random_init(config), target, mesh)  # timing
     _, optimizer = optimizer_lib.make_training_optimizer(config, params)
     opt_state = optimizer_lib.init_optimizer_state(optimizer, params, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -66,11 +66,23 @@ def init_draft(
     `init.from_target_layers`, its layers start from those of the target that `read_target` reads."""
     graphdef = abstract_draft(config, target)[0]
     params, rest = _build_state(config, target, mesh, with_params=True)
-    if target_layer_ids(config, target):
+    if target_layer_ids(config, target) or context_aux_index(config) is not None:
         if read_target is None:
             raise ValueError("init.from_target_layers needs the target's tensors (read_target)")
         params = from_target_layers(config, target, params, read_target)
     return graphdef, params, rest
+
+
+def random_init(config):
+    """A copy of `config` whose draft starts from a random init (no `init.from_target_layers`, no
+    `init.context_from_aux`): the same shapes, for tools that time or test them without the target's
+    tensors."""
+    config = config.copy_and_resolve_references()
+    if "init" in config:
+        with config.unlocked():
+            config.init.from_target_layers = None
+            config.init.context_from_aux = None
+    return config
 
 
 def target_layer_ids(config, target: TargetConfig) -> tuple[int, ...]:
@@ -131,7 +143,54 @@ def from_target_layers(
         placed.append((path, var.replace(jax.device_put(source.astype(value.dtype), value.sharding))))
         copied.add(".".join(map(str, sub)))
     log.info("draft layers start from target layers %s: %s", ids, ", ".join(sorted(copied)))
+    aux = context_aux_index(config)
+    if aux is not None:
+        placed = _context_pass_through(placed, aux, target.hidden_size, ids[0], read_target)
+        log.info(
+            "the context starts as aux layer %d (target layer %d's output) under layer %d's input norm",
+            aux,
+            config.data.aux_layer_ids[aux],
+            ids[0],
+        )
     return nnx.from_flat_state(placed)
+
+
+def context_aux_index(config) -> int | None:
+    """`init.context_from_aux` as a non-negative index into `data.aux_layer_ids` (None: a random context
+    projection), checked before any work: it needs `init.from_target_layers`."""
+    index = config.get("init", {}).get("context_from_aux")  # absent from configs stored before it
+    if index is None:
+        return None
+    a = len(config.data.aux_layer_ids)
+    if not config.init.get("from_target_layers"):
+        raise config_lib.UsageError(
+            f"init.context_from_aux={index} starts the context as the input of the first copied target "
+            "layer: set init.from_target_layers too"
+        )
+    if not -a <= index < a:
+        raise config_lib.UsageError(
+            f"init.context_from_aux={index}: data.aux_layer_ids has {a} layers (index -{a}..{a - 1})"
+        )
+    return index % a
+
+
+def _context_pass_through(placed: list, aux: int, hidden: int, layer: int, read_target: TensorReader) -> list:
+    """`placed` (flat draft parameters) with the context `aux_norm(aux_proj(...))` starting as target layer
+    `layer`'s input norm of aux layer `aux`: `aux_proj` the identity on that layer's block (zero elsewhere),
+    `aux_norm` that norm's scale. The copied layer then reads the context as the target's reads its input."""
+    out = []
+    for path, var in placed:
+        value = var.get_value()
+        if path == ("aux_proj", "kernel"):
+            source = np.zeros(value.shape, np.float32)
+            source[aux * hidden : (aux + 1) * hidden] = np.eye(hidden)
+        elif path == ("aux_norm", "scale"):
+            source = np.asarray(read_target(("layers", layer, "input_norm", "scale"), tuple(value.shape)))
+        else:
+            out.append((path, var))
+            continue
+        out.append((path, var.replace(jax.device_put(source.astype(value.dtype), value.sharding))))
+    return out
 
 
 def init_source(config) -> tuple[epath.Path, int] | None:

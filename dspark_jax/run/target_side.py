@@ -181,6 +181,7 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
         return target
 
     draft_state.target_layer_ids(config, side.config)  # refused before the caches, not after
+    draft_state.context_aux_index(config)
     config_lib.check_aux_layers(config, side.config.num_layers)
     online_run = not reads_states(config)
     if online_run:

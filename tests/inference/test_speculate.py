@@ -661,7 +661,7 @@ def test_greedy_lossless_on_the_demo_target(mesh1, concurrency):
     from dspark_jax.target import load_target
     from dspark_jax.target.chat import prompt_ids
 
-    config = baseline.get_config("demo")
+    config = draft_state.random_init(baseline.get_config("demo"))
     target = load_target(mesh=mesh1)
     graphdef, params, rest = draft_state.init_draft(config, target.config, mesh1)
     side = target_side.side_from_target(target, mesh1)

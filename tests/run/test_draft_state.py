@@ -151,3 +151,32 @@ def test_layers_from_a_hybrid_target_refuse_a_linear_attention_layer():
         config.init.from_target_layers = (0, 1, 3)
     with pytest.raises(UsageError, match=r"target layer 0 is a experts layer"):
         draft_state.target_layer_ids(config, target)
+
+
+def test_a_context_from_an_aux_layer_is_that_layers_input_to_the_copied_target_layer(mesh1):
+    """`init.context_from_aux=-1` with `from_target_layers`: the draft's context features of random aux
+    states equal target layer ids[0]'s input norm of the last aux layer (how that layer reads its input)."""
+    config, _ = _smoke()
+    target = target_side.load_run_target(config, mesh1)
+    read = target_side.target_reader(config, lambda: target)
+    with config.unlocked():
+        config.init.from_target_layers = (4, 4, 4)
+        config.init.context_from_aux = -1
+    graphdef, params, rest = draft_state.init_draft(config, target.config, mesh1, read)
+    draft = nnx.merge(graphdef, params, rest)
+    aux = np.random.default_rng(0).normal(size=(2, 5, 3, target.config.hidden_size)).astype(np.float32)
+    want = target.model.layers[4].input_norm(aux[:, :, -1])
+    np.testing.assert_allclose(np.asarray(draft.context(aux)), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_context_from_an_aux_layer_needs_target_layers_and_an_aux_index(mesh1):
+    config, target = _smoke()
+    with config.unlocked():
+        config.init.context_from_aux = 0
+    with pytest.raises(UsageError, match=r"context_from_aux=0 .* set init.from_target_layers too"):
+        draft_state.init_draft(config, target, mesh1, lambda path, shape: np.zeros(shape))
+    with config.unlocked():
+        config.init.from_target_layers = (0, 1, 2)
+        config.init.context_from_aux = 3
+    with pytest.raises(UsageError, match=r"context_from_aux=3: data.aux_layer_ids has 3 layers"):
+        draft_state.init_draft(config, target, mesh1, lambda path, shape: np.zeros(shape))

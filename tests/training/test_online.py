@@ -35,7 +35,7 @@ DEMO_DATA = dict(train_limit=6, val_limit=2, regen_max_new_tokens=48, regen_batc
 
 def _config(cache_dir, pack, preset="smoke", **data):
     hybrid = preset == "smoke-hybrid"
-    config = baseline.get_config("smoke" if hybrid else preset)
+    config = draft_state.random_init(baseline.get_config("smoke" if hybrid else preset))
     if hybrid:
         config.target.arch = config_dict.ConfigDict(base.SMOKE_HYBRID_TARGET)
     config.data.cache_dir = str(cache_dir)

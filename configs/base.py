@@ -126,6 +126,9 @@ Keys:
   train.log_every           steps between metric lines.
   train.eval_every          steps between validation evaluations (0 = only at the end).
   train.eval_batches        validation batches per evaluation (0 = the whole validation cache).
+  train.ablate_every_eval   measure the evaluation's ablations (tau_prob without the target context, and a
+                            group's own: `Experiment.evaluation_ablations`, one forward each) at every
+                            evaluation; False = at the run's last one only.
   train.seed                the draft's initialisation and the training data order (None = `seed`): runs
                             of one experiment with other `train.seed`s share the caches, the target and
                             the validation batches (a suite's `--seeds`).
@@ -333,8 +336,9 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.train.checkpoint_every = {"paper": 651, "demo": 150, "accel": 500, "smoke": 3}[preset]
     c.train.max_to_keep = 3
     c.train.log_every = {"paper": 10, "demo": 10, "accel": 25, "smoke": 1}[preset]
-    c.train.eval_every = {"paper": 651, "demo": 100, "accel": 250, "smoke": 3}[preset]
+    c.train.eval_every = {"paper": 651, "demo": 150, "accel": 250, "smoke": 3}[preset]
     c.train.eval_batches = {"paper": 0, "demo": 0, "accel": 0, "smoke": 2}[preset]
+    c.train.ablate_every_eval = False
     c.train.seed = config_dict.placeholder(int)
 
     c.init = config_dict.ConfigDict()

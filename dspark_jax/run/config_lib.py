@@ -109,6 +109,7 @@ RESUMABLE_KEYS = (
     "train.log_every",
     "train.eval_every",
     "train.eval_batches",
+    "train.ablate_every_eval",
     "train.checkpoint_every",
     "train.max_to_keep",
     "data.cache_dir",

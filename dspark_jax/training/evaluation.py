@@ -33,15 +33,18 @@ from dspark_jax.training.intervals import SampleSums
 
 
 def make_eval_sums(
-    graphdef: nnx.GraphDef, experiment: Experiment, features: step_lib.Features | None = None
+    graphdef: nnx.GraphDef,
+    experiment: Experiment,
+    features: step_lib.Features | None = None,
+    ablate: bool = True,
 ) -> Callable:
     """Jitted `(params, rest, frozen, batch) -> {variant: (sums, block records)}` of the experiment's
-    evaluation (`measured_variants`: as trained, and without each of its `evaluation_ablations`);
-    `features` (online training) first adds the target's states to the batch."""
+    evaluation (`measured_variants`: as trained and, with `ablate`, without each of its
+    `evaluation_ablations`); `features` (online training) first adds the target's states to the batch."""
 
     def sums(params, rest, frozen, batch):
         batch = batch if features is None else features(frozen, batch)
-        return measured_variants(experiment, nnx.merge(graphdef, params, rest), frozen, batch)
+        return measured_variants(experiment, nnx.merge(graphdef, params, rest), frozen, batch, ablate=ablate)
 
     return jax.jit(sums)
 
@@ -93,9 +96,12 @@ def ablation_metrics(
     experiment: Experiment, samples: SampleSums, ablated: Mapping[str, tuple[dict, SampleSums]]
 ) -> dict[str, float]:
     """Per ablation `name`: `tau_prob_without_<name>` and `<name>_gain` (tau_prob minus it, paired over
-    the same samples and blocks) with its interval `<name>_gain_low95` / `_high95`."""
+    the same samples and blocks) with its interval `<name>_gain_low95` / `_high95` (none for an evaluation
+    without ablations)."""
     out = {}
     for ablation in experiment.evaluation_ablations:
+        if ablation.name not in ablated:
+            continue
         metrics, without = ablated[ablation.name]
         out[f"tau_prob_without_{ablation.name}"] = metrics["tau_prob"]
         if len(samples.tau_K) > 1:

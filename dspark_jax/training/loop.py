@@ -219,7 +219,11 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     )
     train_metrics = jax.jit(experiment.metrics)
     count = jax.jit(batch_counts)
-    eval_sums = evaluation.make_eval_sums(graphdef, experiment, side.features)
+    # The ablations (tau_prob without the context, ...) cost a forward each: measured at the run's last
+    # evaluation, or at every one with `train.ablate_every_eval`.
+    eval_sums = evaluation.make_eval_sums(graphdef, experiment, side.features, ablate=False)
+    ablated_eval_sums = evaluation.make_eval_sums(graphdef, experiment, side.features)
+    ablate_every_eval = t.get("ablate_every_eval", False)  # absent from configs stored before it
 
     # ---- Loop ---------------------------------------------------------------------------------
     last: dict[str, float] = {}
@@ -306,7 +310,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                     pending = None
                 eval_began = time.perf_counter()
                 metrics = evaluation.evaluate(
-                    eval_sums,
+                    ablated_eval_sums if ablate_every_eval or step == t.stop_step else eval_sums,
                     experiment,
                     state["params"],
                     rest,
@@ -328,6 +332,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                     "".join(
                         f", without {a.name} {metrics[f'tau_prob_without_{a.name}']:.4f}"
                         for a in experiment.evaluation_ablations
+                        if f"tau_prob_without_{a.name}" in metrics
                     ),
                 )
             # Every process reaches the preemption sync point on every step.

@@ -78,6 +78,10 @@ def test_seed_suite_on_smoke_writes_the_table_and_plots_and_skips_finished_group
         evals = [json.loads(x) for x in (data / g.name / "metrics.jsonl").read_text().splitlines()]
         final = [x for x in evals if x.get("eval/tau_prob") is not None][-1]
         assert cells[1] == str(final["step"]) and cells[2] == f"{final['eval/tau_prob']:.4f}"
+        context, memory = cells[-2], cells[-1].removesuffix(" |")  # the ablation columns, the context first
+        gain = f"{final['eval/context_gain']:+.4f} [{final['eval/context_gain_low95']:+.4f}, "
+        assert context.startswith(f"{final['eval/tau_prob_without_context']:.4f} ({gain}"), context
+        assert (memory == "-") == (g.name != "memory"), memory
         spec = json.loads((data / g.name / "speculate" / f"{setting_name(0.0, 'fixed')}.json").read_text())
         assert cells[10] == f"{spec['speculative']['mal_pooled']:.3f}"
         assert spec["identical_to_target_greedy"] == "2/2"

@@ -219,6 +219,23 @@ def test_aux_layers_mismatching_the_cache_fail_clearly(cache_dir):
         sources.open_source(paths["train"], config, side)
 
 
+@pytest.mark.parametrize("every", [False, True])
+def test_the_ablations_are_measured_at_the_last_evaluation_or_every_one(cache_dir, tmp_path, every):
+    """tau_prob without the target context (and its paired gain) at the run's last evaluation; at every one
+    with `train.ablate_every_eval`."""
+    config = _config(cache_dir, stop_step=4, total_steps=4, eval_every=2)
+    config.train.ablate_every_eval = every
+    train(config, tmp_path)
+    evals = {m["step"]: m for m in logged_metrics(tmp_path) if "eval/tau_prob" in m}
+    assert sorted(evals) == [2, 4]
+    assert ("eval/tau_prob_without_context" in evals[2]) == every
+    last = evals[4]
+    assert last["eval/context_gain_low95"] <= last["eval/context_gain"] <= last["eval/context_gain_high95"]
+    np.testing.assert_allclose(
+        last["eval/context_gain"], last["eval/tau_prob"] - last["eval/tau_prob_without_context"], atol=1e-6
+    )
+
+
 @pytest.mark.slow
 def test_metrics_are_finite_and_named(cache_dir, tmp_path):
     last = train(_config(cache_dir, stop_step=2, total_steps=2, eval_every=2), tmp_path)

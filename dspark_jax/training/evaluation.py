@@ -291,16 +291,10 @@ def evaluation_with_records(
 AS_TRAINED = ""
 
 
-def measured_variants(
-    experiment: Experiment,
-    model: nnx.Module,
-    frozen,
-    batch: Mapping[str, jax.Array],
-    prefixes: tuple[Experiment, nnx.Module] | None = None,
-    ablate: bool = True,
-) -> dict[str, tuple[dict[str, jax.Array], dict[str, jax.Array]]]:
-    """`{AS_TRAINED: (sums, records)}` of `evaluation_with_records`, and with `ablate` the same for each of
-    the experiment's `evaluation_ablations` by name (the same blocks, one input removed)."""
+def measured_variants(experiment: Experiment, model, frozen, batch, prefixes=None, ablate=True) -> dict:
+    """`{AS_TRAINED: (sums, records)}` of `evaluation_with_records` (the same arguments), and with `ablate`
+    the same for each of the experiment's `evaluation_ablations` by name (the same blocks, one input
+    removed)."""
     out = {AS_TRAINED: evaluation_with_records(experiment, model, frozen, batch, prefixes)}
     for ablation in experiment.evaluation_ablations if ablate else ():
         ablated = {**batch, ablation.flag: True}

@@ -41,7 +41,7 @@ def ablation(checkpoint: str, variants, names: tuple[str, ...], batches: int = 0
     pipeline = sources.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1)
     rows = {
         label: evaluation.evaluate(
-            evaluation.make_eval_sums(model, experiment),
+            evaluation.make_eval_sums(model, experiment, ablate=False),  # the two variants are the ablation
             experiment,
             params,
             rest,

@@ -43,13 +43,12 @@ class Ablation:
 
     name: str
     flag: str
-    removes: str  # what is left out, for the report
 
 
 # Every group: the target's context features (each block sees only its own slots, and a group's own extra
 # keys such as a memory). A group that picks its blocks in a first pass picks them with the context.
 HIDE_CONTEXT = "hide_context"
-WITHOUT_CONTEXT = Ablation("context", HIDE_CONTEXT, "the target's context features")
+WITHOUT_CONTEXT = Ablation("context", HIDE_CONTEXT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,7 +66,8 @@ def init_draft(
     `init.from_target_layers`, its layers start from those of the target that `read_target` reads."""
     graphdef = abstract_draft(config, target)[0]
     params, rest = _build_state(config, target, mesh, with_params=True)
-    if target_layer_ids(config, target) or context_aux_index(config) is not None:
+    context_aux_index(config)  # refused without target layers to copy
+    if target_layer_ids(config, target):
         if read_target is None:
             raise ValueError("init.from_target_layers needs the target's tensors (read_target)")
         params = from_target_layers(config, target, params, read_target)

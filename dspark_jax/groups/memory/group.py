@@ -186,7 +186,7 @@ MEMORY = register(
         suites=("seed",),
         report_note="Draft Memory's own tau_prob is measured on its stage-2 anchors.",
         prefixes=stage2_prefixes,
-        ablations=(Ablation("memory", HIDE_MEMORY, "the memory slots (stage 2 on the same blocks)"),),
+        ablations=(Ablation("memory", HIDE_MEMORY),),
         prefixes_note="They are its stage-2 anchors a' = a + m + 1, after its stage-1 draft's first error "
         "on a uniformly drawn anchor a: the only blocks on which it has a memory (as in decoding). "
         "Its own figure is measured there, so every other row is too: the same-prefix columns ask what the "

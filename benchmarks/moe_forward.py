@@ -1,17 +1,18 @@
-"""The sparse MoE forward (sort by expert + `ragged_dot`) next to the dense all-experts reference.
+"""The sparse MoE forward's implementations next to the dense all-experts reference, in one run.
 
-  python benchmarks/moe_forward.py [--tokens=8,64,512] [--experts=64] [--top_k=8] [--hidden=256] \
-      [--intermediate=128] [--dtype=float32] [--repeats=7] [--quick]
+  python benchmarks/moe_forward.py [--tokens=64,512] [--experts=64] [--top_k=8] [--hidden=256] \
+      [--intermediate=128] [--dtype=float32] [--repeats=7] [--implementations=tiled,ragged_dot] [--quick]
+  python benchmarks/moe_forward.py --shape=qwen3-30b-a3b --tokens=256,2048 --dtype=bfloat16   # a GPU/TPU
 
-One random `SparseMoE` (no shared expert), both forwards jitted over the same `[1, tokens, H]` inputs,
-one warm-up call each (compilation), then the median of `--repeats` calls. `dense/sparse` above 1 means
-the sparse pass is faster. Memory is the compiled program's temporary bytes (XLA's memory analysis).
-The sparse pass does `K` rows of expert work per token, the dense one `X`; but on CPU, JAX lowers
-`ragged_dot` to a masked dense dot over all `X` groups for each of the `tokens * K` rows, so there the
-sparse pass does `K` times the dense work and holds a `[X, tokens*K, H]` mask: expect it to lose on CPU
-and to win where `ragged_dot` is a grouped matmul (TPU). On an H200 with JAX 0.11.2 it is the masked
-dense rewrite too (`results/gpu-targets-2026-12-04`: the sparse temporaries are `X * tokens*K * H` x 2
-bytes). `--quick` (8 and 64 tokens, 3 repeats) runs in a few seconds on CPU.
+One random `SparseMoE` (no shared expert) per implementation (`kernels.experts`), each forward jitted over
+the same `[1, tokens, H]` inputs, one warm-up call (compilation), then the median of `--repeats` calls.
+`dense/x` above 1 means implementation x is faster than the all-experts reference, which does `X` rows of
+expert work per token against the routed `K`. Memory is each compiled program's temporary bytes (XLA's
+memory analysis). 'auto' is what the block runs by default on this backend (printed in the header):
+'tiled' on CPU and GPU, 'ragged_dot' on TPU, where it compiles to a grouped matmul; elsewhere `ragged_dot`
+is rewritten as a masked dense dot over all `X` groups for each of the `tokens * K` rows (`K` times the dense
+work, an `[X, tokens*K, H]` mask). `--shape=qwen3-30b-a3b` sets a Qwen3-30B-A3B layer (128 experts, top 8,
+H 2048, I 768). `--quick` (8 and 64 tokens, 3 repeats, tiled only) runs in seconds on CPU (a test runs it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dspark_jax.kernels.experts import resolve_implementation
 from dspark_jax.target.moe import SparseMoE, dense_reference
+
+SHAPES = {"qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, intermediate=768)}
 
 
 def measure(forward, state, x_BxTxH, repeats: int) -> tuple[float, int]:
@@ -47,49 +51,61 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", default="8,64,512")
+    parser.add_argument("--tokens", default="64,512")
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top_k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--intermediate", type=int, default=128)
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a named layer shape (sets the four above)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="8 and 64 tokens, 3 repeats")
+    parser.add_argument("--implementations", default="tiled,ragged_dot", help="besides the dense reference")
+    parser.add_argument("--quick", action="store_true", help="8 and 64 tokens, 3 repeats, tiled only")
     args = parser.parse_args()
+    if args.shape:
+        vars(args).update(SHAPES[args.shape])
     tokens = [8, 64] if args.quick else [int(t) for t in args.tokens.split(",")]
     repeats = 3 if args.quick else args.repeats
+    implementations = ["tiled"] if args.quick else args.implementations.split(",")
+    for name in implementations:
+        resolve_implementation(name)  # an unknown name fails before any compile
     dtype = jnp.dtype(args.dtype)
 
-    moe = SparseMoE(
-        args.hidden,
-        args.experts,
-        args.top_k,
-        args.intermediate,
-        norm_topk_prob=True,
-        rngs=nnx.Rngs(0),
-        param_dtype=dtype,
-        dtype=dtype,
-    )
-    graphdef, state = nnx.split(moe)
-    sparse = lambda state, x: nnx.merge(graphdef, state)(x)
-    dense = lambda state, x: dense_reference(nnx.merge(graphdef, state), x)
+    def block(implementation):
+        moe = SparseMoE(
+            args.hidden,
+            args.experts,
+            args.top_k,
+            args.intermediate,
+            norm_topk_prob=True,
+            rngs=nnx.Rngs(0),
+            param_dtype=dtype,
+            dtype=dtype,
+            implementation=implementation,
+        )
+        return nnx.split(moe)
+
+    forwards = {}
+    for name in implementations:
+        graphdef, state = block(name)
+        forwards[name] = (lambda state, x, g=graphdef: nnx.merge(g, state)(x), state)
+    graphdef, state = block("dense")
+    forwards["dense"] = (lambda state, x: dense_reference(nnx.merge(graphdef, state), x), state)
 
     print(
         f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, {args.dtype}; "
-        f"X={args.experts} K={args.top_k} H={args.hidden} I={args.intermediate}; median of {repeats}"
+        f"X={args.experts} K={args.top_k} H={args.hidden} I={args.intermediate}; median of {repeats}; "
+        f"'auto' here is {resolve_implementation('auto')}"
     )
-    print(
-        f"{'tokens':>7s} {'sparse ms':>10s} {'dense ms':>10s} {'dense/sparse':>13s} "
-        f"{'sparse temp MB':>15s} {'dense temp MB':>14s}"
-    )
+    print(f"{'tokens':>7s} {'implementation':>15s} {'ms':>9s} {'dense/x':>8s} {'temp MB':>9s}")
     for t in tokens:
         x_BxTxH = jax.random.normal(jax.random.key(t), (1, t, args.hidden), dtype)
-        t_sparse, m_sparse = measure(sparse, state, x_BxTxH, repeats)
-        t_dense, m_dense = measure(dense, state, x_BxTxH, repeats)
-        print(
-            f"{t:7d} {1e3 * t_sparse:10.2f} {1e3 * t_dense:10.2f} {t_dense / t_sparse:12.2f}x "
-            f"{m_sparse / 1e6:15.1f} {m_dense / 1e6:14.1f}"
-        )
+        measured = {name: measure(fn, state, x_BxTxH, repeats) for name, (fn, state) in forwards.items()}
+        for name, (seconds, temp) in measured.items():
+            print(
+                f"{t:7d} {name:>15s} {1e3 * seconds:9.2f} {measured['dense'][0] / seconds:7.2f}x "
+                f"{temp / 1e6:9.1f}"
+            )
 
 
 if __name__ == "__main__":

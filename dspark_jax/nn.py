@@ -163,27 +163,30 @@ def gqa_attention(
     `visible_BxTxT` is `[B, queries, keys]`). A query with no visible key returns zeros instead of NaN.
     """
     return gqa_attention_heads_major(
-        q_BxTxQxD, k_BxTxGxD.transpose(0, 2, 1, 3), v_BxTxGxD.transpose(0, 2, 1, 3), visible_BxTxT
+        q_BxTxQxD, k_BxTxGxD.transpose(0, 2, 3, 1), v_BxTxGxD.transpose(0, 2, 1, 3), visible_BxTxT
     )
 
 
 def gqa_attention_heads_major(
-    q_BxTxQxD: jax.Array, k_BxGxTxD: jax.Array, v_BxGxTxD: jax.Array, visible_BxTxT: jax.Array
+    q_BxTxQxD: jax.Array, k_BxGxDxT: jax.Array, v_BxGxTxD: jax.Array, visible_BxTxT: jax.Array
 ) -> jax.Array:
-    """`gqa_attention` over keys/values stored heads-major, `[B, G, T, D]` (a decoding cache's layout).
+    """`gqa_attention` over keys/values stored heads-major (a decoding cache's layout): keys
+    `[B, G, D, T]`, slots minor, values `[B, G, T, D]`.
 
     Both products are plain batched matmuls over `B x G` with the `E` query heads of a KV head stacked
-    as rows: on a CPU, XLA runs the `[B, T, G, D]` layout's products several times slower, and a cache in
-    that layout is copied to this one at every step.
+    as rows, each in the layout a CPU matmul streams: on a CPU, XLA runs the `[B, T, G, D]` layout's
+    products several times slower (and a cache in that layout is copied to this one at every step), and
+    the scores of a few query rows over slot-major keys `[B, G, T, D]` 4x slower than over these
+    (`benchmarks/regeneration.py`).
     """
     b, t, heads, d = q_BxTxQxD.shape
-    kv_heads, s = k_BxGxTxD.shape[1], k_BxGxTxD.shape[2]
+    kv_heads, s = k_BxGxDxT.shape[1], k_BxGxDxT.shape[3]
     e = heads // kv_heads
     q_BxGxETxD = (
         q_BxTxQxD.reshape(b, t, kv_heads, e, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, e * t, d)
     )
     logits_BxGxExTxT = jnp.einsum(
-        "bgqd,bgsd->bgqs", q_BxGxETxD, k_BxGxTxD, preferred_element_type=jnp.float32
+        "bgqd,bgds->bgqs", q_BxGxETxD, k_BxGxDxT, preferred_element_type=jnp.float32
     ).reshape(b, kv_heads, e, t, s) * (d**-0.5)
     mask = visible_BxTxT[:, None, None]
     logits_BxGxExTxT = jnp.where(mask, logits_BxGxExTxT, jnp.finfo(jnp.float32).min)

@@ -26,13 +26,10 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axes. Parameters: 'embed' is FSDP-sharded, head/MLP/vocab axes
 # tensor-parallel. Activations: 'batch' spans the data-parallel axes. A sparse target's routed experts
-# (`[X, H, I]`, axes ('expert', 'embed', 'mlp')) are sharded like any SwiGLU weight, their 'embed' axis over
-# 'fsdp' and 'mlp' over 'tensor', every expert on every device: XLA partitions the experts' ragged dot along
-# those axes (each device multiplies its slice of H), but not along the expert axis. Mapping 'expert' to
-# 'fsdp' stores the same bytes per device yet makes XLA all-gather each layer's whole experts before the
-# ragged dot (TPU v5p-8, Qwen3-Next shapes: 4.0 GB per layer per device, 1.7 -> 2.9 GB of temporaries;
-# `results/hybrid-target-2026-12-03/check_memory.md`); splitting experts pays only with an explicit
-# token dispatch (`shard_map` + all-to-all), which the target does not have.
+# (`[X, H, I]`, axes ('expert', 'embed', 'mlp')) are split whole over 'fsdp' (expert parallelism: each
+# device holds X / n experts and `expert_parallel` brings the tokens to them; their 'embed' axis then stays
+# whole, 'fsdp' being taken). `('expert', None)` keeps every expert on every device, sliced along H like
+# any SwiGLU weight, and leaves the experts' partitioning to XLA.
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("embed", "fsdp"),
@@ -46,7 +43,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("aux", None),
     ("rank", None),
-    ("expert", None),
+    ("expert", "fsdp"),
 )
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
@@ -74,6 +71,13 @@ def activation_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[No
         yield
     finally:
         _ACTIVE.pop()
+
+
+def tracing(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> contextlib.AbstractContextManager:
+    """The context a program outside the trainer (the cache builder's forward, generation) is traced in:
+    `activation_sharding(mesh, rules)` on a multi-device mesh (so that, e.g., a sparse target's experts
+    run expert-parallel), nothing on one device, where a constraint would change only XLA's fusions."""
+    return activation_sharding(mesh, rules) if mesh.size > 1 else contextlib.nullcontext()
 
 
 def _active() -> bool:
@@ -143,6 +147,61 @@ def per_shard(fn, in_axes, out_axes: Sequence[str | None]):
         )
         out_spec = spec(out_axes, jax.eval_shape(fn, *args))
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
+
+    return wrapped
+
+
+def expert_parallel(fn):
+    """`fn(x_TxH, ids_TxK, weights_TxK, gate_XxHxI, up_XxHxI, down_XxIxH, first_expert=0) -> y_TxH` (routed
+    experts: each token's weighted sum over its picks of the `X` experts from `first_expert`) run
+    expert-parallel where an active `activation_sharding`'s rules split the 'expert' axis over mesh axes;
+    `fn` itself elsewhere.
+
+    Under `jax.shard_map`, each device holds `X / n` whole experts (`n` devices along those axes) and its
+    rows of tokens (the 'batch' axes). The tokens of the devices sharing the expert axes are all-gathered,
+    each device computes its own experts' share for all of them (`first_expert` = its index x `X / n`), and
+    the shares are reduce-scattered back to the tokens' devices: every pick reaches its expert, nothing is
+    dropped, and no expert's weights move. Expert axes that do not split the tokens (tokens replicated
+    along them) take a plain sum instead. The other weight axes are whole on each device (gathered first
+    where the rules split them).
+    """
+
+    def wrapped(x_TxH, ids_TxK, weights_TxK, gate_XxHxI, up_XxHxI, down_XxIxH):
+        args = (x_TxH, ids_TxK, weights_TxK, gate_XxHxI, up_XxHxI, down_XxIxH)
+        if not _active():
+            return fn(*args)
+        mesh, rules = _ACTIVE[-1]
+        expert_spec = logical_to_spec(("expert",), gate_XxHxI.shape[:1], mesh, rules)[0]
+        if expert_spec is None:
+            return fn(*args)
+        expert_axes = (expert_spec,) if isinstance(expert_spec, str) else tuple(expert_spec)
+        rows_spec = logical_to_spec(("batch", None), x_TxH.shape, mesh, rules)[0]
+        row_axes = (
+            () if rows_spec is None else (rows_spec,) if isinstance(rows_spec, str) else tuple(rows_spec)
+        )
+        gathered = tuple(a for a in row_axes if a in expert_axes)
+        summed = tuple(a for a in expert_axes if a not in gathered)
+
+        def shard(x_TxH, ids_TxK, weights_TxK, gate_XxHxI, up_XxHxI, down_XxIxH):
+            if gathered:
+                x_TxH, ids_TxK, weights_TxK = (
+                    jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (x_TxH, ids_TxK, weights_TxK)
+                )
+            first = jax.lax.axis_index(expert_axes) * gate_XxHxI.shape[0]
+            y_TxH = fn(x_TxH, ids_TxK, weights_TxK, gate_XxHxI, up_XxHxI, down_XxIxH, first_expert=first)
+            if gathered:
+                y_TxH = jax.lax.psum_scatter(y_TxH, gathered, scatter_dimension=0, tiled=True)
+            return jax.lax.psum(y_TxH, summed) if summed else y_TxH
+
+        rows = PartitionSpec(rows_spec, None)
+        experts = PartitionSpec(expert_spec, None, None)
+        return jax.shard_map(
+            shard,
+            mesh=mesh,
+            in_specs=(rows, rows, rows, experts, experts, experts),
+            out_specs=rows,
+            check_vma=False,
+        )(*args)
 
     return wrapped
 

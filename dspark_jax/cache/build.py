@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from dspark_jax import sharding
 from dspark_jax.cache.features import FeatureExtractor
 from dspark_jax.cache.format import CacheSpec, estimate_bytes
 from dspark_jax.cache.lock import exclusive, lock_file
@@ -221,6 +222,7 @@ def build_cache(
     samples_per_commit: int = 64,
     tokens_per_batch: int = 8192,
     mesh: Mesh | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
     progress: bool = True,
 ) -> dict | None:
     """Writes this process's shards of the cache at `path`; finalises it when every shard is done.
@@ -236,7 +238,7 @@ def build_cache(
     extractor = None
     if spec.states:
         extractor = FeatureExtractor(
-            target.model, spec.aux_layer_ids, tokens_per_batch=tokens_per_batch, mesh=mesh
+            target.model, spec.aux_layer_ids, tokens_per_batch=tokens_per_batch, mesh=mesh, rules=rules
         )
     my_shards = range(process_index, spec.num_shards, process_count)
     total = sum(len(layout.shard_sample_range(s)) for s in my_shards)
@@ -404,6 +406,7 @@ def prepare_split(
                 chunk_size=regen_chunk_size(data),
                 max_prompt_tokens=data.regen_max_prompt_tokens,
                 mesh=mesh,
+                rules=sharding.rules_of(config),
                 staging_dir=Path(local_cache_root(config), "staging"),
             )
     builder = f"{split}-p{process_index}of{process_count}"
@@ -457,6 +460,7 @@ def prepare_split(
                     process_index=process_index,
                     process_count=process_count,
                     mesh=mesh,
+                    rules=sharding.rules_of(config),
                 )
                 is not None
             )

@@ -67,6 +67,7 @@ class FeatureExtractor:
       tokens_per_batch: tokens per forward; rows of length T run `max(1, tokens_per_batch // T)` at a
         time (`batches`).
       mesh: device mesh; batches are sharded over its data axes.
+      rules: the sharding rules the target was placed by (`sharding.tracing`).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class FeatureExtractor:
         *,
         tokens_per_batch: int = 8192,
         mesh: Mesh | None = None,
+        rules: sharding.Rules = sharding.DEFAULT_RULES,
     ):
         for layer_id in aux_layer_ids:
             model.cfg.layer_index(layer_id)
@@ -83,6 +85,7 @@ class FeatureExtractor:
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.tokens_per_batch = tokens_per_batch
         self.mesh = mesh or sharding.make_mesh()
+        self.rules = rules
         self._forward = jax.jit(
             functools.partial(state_features, graphdef=self.graphdef, aux_layer_ids=self.aux_layer_ids)
         )
@@ -131,11 +134,12 @@ class FeatureExtractor:
                     positions[row, start:] = np.arange(forward.width - start, dtype=np.int32)
                     spans.append((index, row, start, n))
                     start += n
-            aux, last = self._forward(
-                self.state,
-                sharding.shard_batch(tokens, self.mesh),
-                sharding.shard_batch(positions, self.mesh),
-            )
+            with sharding.tracing(self.mesh, self.rules):
+                aux, last = self._forward(
+                    self.state,
+                    sharding.shard_batch(tokens, self.mesh, self.rules),
+                    sharding.shard_batch(positions, self.mesh, self.rules),
+                )
             aux, last = np.asarray(aux), np.asarray(last)
             for index, row, start, n in spans:
                 results[index] = (aux[row, start : start + n], last[row, start : start + n])

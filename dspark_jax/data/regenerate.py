@@ -47,6 +47,7 @@ from etils import epath
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from dspark_jax import sharding
 from dspark_jax.data.conversations import Message, system_prompt, user_turns
 from dspark_jax.target import Target
 from dspark_jax.target.chat import prompt_ids
@@ -346,6 +347,7 @@ def regenerate(
     max_prompt_tokens: int | None = None,
     padding: str = "left",
     mesh: Mesh | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
     progress: bool = True,
     on_chunk: Callable[[int], None] | None = None,
     staging_dir: str | Path | None = None,
@@ -365,6 +367,7 @@ def regenerate(
       max_prompt_tokens: prompt length cap per turn; default the target's context minus `max_new_tokens`.
       padding: prompt alignment in the generation batch ('left' or 'right').
       mesh: device mesh for generation.
+      rules: the sharding rules the target was placed by.
       progress: show a tqdm progress bar.
       on_chunk: called with the number of conversations complete after each chunk is durable.
       staging_dir: where the working copy of a URL output lives; default under the temp directory.
@@ -415,6 +418,7 @@ def regenerate(
         batch_size=batch_size,
         padding=padding,
         mesh=mesh,
+        rules=rules,
     )
     done = skipped = truncated = tokens = 0
     with (

@@ -65,6 +65,8 @@ def objective_sums(
     cfg = model.cfg
     inputs = {"h": h_BxNxSxH, "predecessors": targets.predecessors, **(extra_inputs or {})}
     heads = heads or (lambda m, f, chunk: m.heads(f, chunk["h"], chunk["predecessors"]))
+    columns = vocab_columns(frozen)
+    model = model.on_columns(columns)  # the draft vocabulary's W2 columns gathered once, not per chunk
     return objective.block_objective_sums(
         lambda chunk: heads(model, frozen, chunk),
         inputs,
@@ -74,7 +76,7 @@ def objective_sums(
         targets.eval_mask,
         anchor_chunk=cfg.anchor_chunk,
         remat=cfg.remat,
-        vocab_ids_K=vocab_columns(frozen),
+        vocab_ids_K=columns,
     )
 
 

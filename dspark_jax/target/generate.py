@@ -212,13 +212,22 @@ class BatchedDecoding:
     """What batched decoders share: requests cut into padded batches of `batch_size` rows, one
     compiled program per prompt bucket and setting (compile time kept apart from decode time)."""
 
-    def __init__(self, *, pad_id: int, batch_size: int, padding: str, mesh: Mesh | None):
+    def __init__(
+        self,
+        *,
+        pad_id: int,
+        batch_size: int,
+        padding: str,
+        mesh: Mesh | None,
+        rules: sharding.Rules = sharding.DEFAULT_RULES,
+    ):
         if padding not in ("left", "right"):
             raise ValueError(f"padding must be 'left' or 'right', got {padding!r}")
         self.pad_id = pad_id
         self.batch_size = batch_size
         self.padding = padding
         self.mesh = mesh or sharding.make_mesh()
+        self.rules = rules
         self.compile_seconds = 0.0
         self._compiled: dict[tuple, object] = {}
 
@@ -230,7 +239,8 @@ class BatchedDecoding:
         if key not in self._compiled:
             begin = time.perf_counter()
             jitted = jax.jit(fn) if out_shardings is None else jax.jit(fn, out_shardings=out_shardings)
-            self._compiled[key] = jitted.lower(*args).compile()
+            with sharding.tracing(self.mesh, self.rules):
+                self._compiled[key] = jitted.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - begin
         return self._compiled[key]
 
@@ -244,9 +254,9 @@ class BatchedDecoding:
                 start,
                 len(chunk),
                 length,
-                sharding.shard_batch(tokens, self.mesh),
-                sharding.shard_batch(lengths, self.mesh),
-                sharding.shard_batch(np.arange(self.batch_size) < len(chunk), self.mesh),
+                sharding.shard_batch(tokens, self.mesh, self.rules),
+                sharding.shard_batch(lengths, self.mesh, self.rules),
+                sharding.shard_batch(np.arange(self.batch_size) < len(chunk), self.mesh, self.rules),
                 int(lengths[: len(chunk)].sum()),
             )
 
@@ -261,6 +271,7 @@ class Generator(BatchedDecoding):
       batch_size: rows per compiled program; requests are split and the last batch padded.
       padding: 'left' (default) or 'right' alignment of prompts in the padded batch.
       mesh: the device mesh; the batch is sharded over its data axes.
+      rules: the sharding rules the target was placed by (`sharding.tracing`).
       sort_by_length: batch the prompts in order of length (results keep the request order), so a
         batch's prompt bucket is close to its prompts' lengths instead of its longest random member.
       decode_steps: decode steps per program call; the host reports progress between calls.
@@ -275,10 +286,11 @@ class Generator(BatchedDecoding):
         batch_size: int = 8,
         padding: str = "left",
         mesh: Mesh | None = None,
+        rules: sharding.Rules = sharding.DEFAULT_RULES,
         sort_by_length: bool = True,
         decode_steps: int = 16,
     ):
-        super().__init__(pad_id=pad_id, batch_size=batch_size, padding=padding, mesh=mesh)
+        super().__init__(pad_id=pad_id, batch_size=batch_size, padding=padding, mesh=mesh, rules=rules)
         if not eos_ids:
             raise ValueError("at least one EOS id is needed to stop generation")
         if decode_steps < 1:

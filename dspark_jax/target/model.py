@@ -45,7 +45,7 @@ class DecodeCache(NamedTuple):
     layers, keeps the states after the accepted tokens.
     """
 
-    k_BxGxTxD: tuple[jax.Array, ...]  # one buffer per full-attention layer (heads-major), updated in place
+    k_BxGxDxT: tuple[jax.Array, ...]  # one buffer per full-attention layer (heads-major, slots minor)
     v_BxGxTxD: tuple[jax.Array, ...]
     linear: tuple[LinearState, ...]  # one per linear-attention layer
     start_B: jax.Array
@@ -54,6 +54,7 @@ class DecodeCache(NamedTuple):
     @classmethod
     def zeros(cls, cfg: TargetConfig, batch: int, max_len: int, dtype: Dtype) -> DecodeCache:
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        key_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
         zeros_B = jnp.zeros((batch,), jnp.int32)
         kinds = [cfg.layer_type(i) for i in range(cfg.num_layers)]
         attention = [k for k in kinds if k == FULL_ATTENTION]
@@ -71,7 +72,7 @@ class DecodeCache(NamedTuple):
             if k != FULL_ATTENTION
         ]
         return cls(
-            tuple(jnp.zeros(shape, dtype) for _ in attention),
+            tuple(jnp.zeros(key_shape, dtype) for _ in attention),
             tuple(jnp.zeros(shape, dtype) for _ in attention),
             tuple(linear),
             zeros_B,
@@ -80,7 +81,7 @@ class DecodeCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.k_BxGxTxD[0].shape[2]
+        return self.v_BxGxTxD[0].shape[2]
 
 
 class TargetOutput(NamedTuple):
@@ -158,26 +159,26 @@ class DecoderLayer(nnx.Module):
             self.mlp = SwiGLU(h, cfg.intermediate_size, **kw)
 
     def attend(self, h_BxTxH, positions_BxT, inv_freq, visible_BxTxT, kv=None):
-        """Full attention. `kv = (k_BxGxTxD, v_BxGxTxD, slots_BxT)` appends the new keys/values to a
+        """Full attention. `kv = (k_BxGxDxT, v_BxGxTxD, slots_BxT)` appends the new keys/values to a
         cache at `slots_BxT` and attends over it; without it the layer attends over its own keys/values.
         Returns the mixer's output and the cache's keys/values (None without a cache)."""
         q_BxTxQxD = apply_rope(self.attn.queries(h_BxTxH), positions_BxT, inv_freq)
         k_BxTxGxD, v_BxTxGxD = self.attn.keys_values(h_BxTxH)
         k_BxTxGxD = apply_rope(k_BxTxGxD, positions_BxT, inv_freq)
         if kv is None:
-            k_BxGxTxD = v_BxGxTxD = None
+            k_BxGxDxT = v_BxGxTxD = None
             attn_BxTxQxD = gqa_attention(q_BxTxQxD, k_BxTxGxD, v_BxTxGxD, visible_BxTxT)
         else:
             k_cache, v_cache, slots_BxT = kv
             rows_Bx1 = jnp.arange(slots_BxT.shape[0])[:, None]  # [B, G, T, D][rows, :, slots] is [B, T, G, D]
-            k_BxGxTxD = k_cache.at[rows_Bx1, :, slots_BxT].set(k_BxTxGxD.astype(k_cache.dtype))
+            k_BxGxDxT = k_cache.at[rows_Bx1, :, :, slots_BxT].set(k_BxTxGxD.astype(k_cache.dtype))  # likewise
             v_BxGxTxD = v_cache.at[rows_Bx1, :, slots_BxT].set(v_BxTxGxD.astype(v_cache.dtype))
             attn_BxTxQxD = gqa_attention_heads_major(
-                q_BxTxQxD, k_BxGxTxD.astype(q_BxTxQxD.dtype), v_BxGxTxD.astype(q_BxTxQxD.dtype), visible_BxTxT
+                q_BxTxQxD, k_BxGxDxT.astype(q_BxTxQxD.dtype), v_BxGxTxD.astype(q_BxTxQxD.dtype), visible_BxTxT
             )
         if self.attn_gate is not None:
             attn_BxTxQxD = attn_BxTxQxD * jax.nn.sigmoid(self.attn_gate(h_BxTxH)).astype(attn_BxTxQxD.dtype)
-        return self.attn.o(attn_BxTxQxD), k_BxGxTxD, v_BxGxTxD
+        return self.attn.o(attn_BxTxQxD), k_BxGxDxT, v_BxGxTxD
 
     def finish(self, x_BxTxH, mixed_BxTxH):
         """Mixer residual, then the MLP residual."""
@@ -299,7 +300,7 @@ class Transformer(nnx.Module):
             h_BxTxH = layer.input_norm(x_BxTxH)
             if layer.attn is not None:
                 a = len(ks)
-                kv = None if cache is None else (cache.k_BxGxTxD[a], cache.v_BxGxTxD[a], slots_BxT)
+                kv = None if cache is None else (cache.k_BxGxDxT[a], cache.v_BxGxTxD[a], slots_BxT)
                 mixed_BxTxH, k, v = layer.attend(h_BxTxH, positions_BxT, inv_freq, visible_BxTxT, kv)
                 ks.append(k)
                 vs.append(v)

@@ -264,7 +264,8 @@ def target_forward_memory(
             features.state_features, graphdef=graphdef, aux_layer_ids=tuple(config.data.aux_layer_ids)
         )
     )
-    compiled = forward.lower(state, batch["tokens"], batch["positions"]).compile()
+    with jax.set_mesh(mesh), sharding.activation_sharding(mesh, rules):
+        compiled = forward.lower(state, batch["tokens"], batch["positions"]).compile()
     outputs = _placed(
         jax.eval_shape(forward, state, batch["tokens"], batch["positions"]), compiled.output_shardings
     )

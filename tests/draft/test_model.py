@@ -86,3 +86,32 @@ def test_heads_over_a_draft_vocabulary_are_the_whole_vocabularys_at_its_ids():
     assert part["logits"].shape == (2, 3, CFG.block_size, len(ids))
     np.testing.assert_allclose(part["logits"], np.asarray(whole["logits"])[..., ids], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(part["confidence_logit"], whole["confidence_logit"])
+
+
+def test_a_draft_cut_to_its_vocabulary_gives_the_same_logits_and_gradients():
+    """`DSparkDraft.on_columns` (what the chunked loss runs: W2's draft-vocabulary columns gathered once):
+    the heads and every parameter's gradient equal the whole draft's over the same vocabulary; W2's
+    gradient lands on the vocabulary's columns only. A cut head refuses any other columns."""
+    model, frozen, _ = _setup()
+    ids = np.asarray([0, 3, 4, 17, 30, 49])
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    restricted = frozen._replace(draft_vocab=make_draft_vocab(frozen.lm_head_HxV, ids, one, one))
+    h = jax.random.normal(jax.random.key(5), (2, 3, CFG.block_size, CFG.hidden_size))
+    predecessors = jax.random.randint(jax.random.key(6), (2, 3, CFG.block_size), 0, CFG.vocab_size)
+    weights = jax.random.normal(jax.random.key(7), (2, 3, CFG.block_size, len(ids)))
+    graphdef, params = nnx.split(model)
+
+    def loss(params, cut):
+        draft = nnx.merge(graphdef, params)
+        draft = draft.on_columns(vocab_columns(restricted)) if cut else draft
+        out = draft.heads(restricted, h, predecessors)
+        return jnp.sum(out["logits"] * weights) + jnp.sum(out["confidence_logit"])
+
+    (whole, whole_grads), (cut, cut_grads) = (jax.value_and_grad(loss)(params, c) for c in (False, True))
+    np.testing.assert_allclose(cut, whole, rtol=1e-6)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(cut_grads), jax.tree.leaves(whole_grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    w2_grad = np.asarray(cut_grads["markov"]["w2"].get_value())
+    assert np.abs(w2_grad[:, ids]).min() > 0 and not np.delete(w2_grad, ids, axis=1).any()
+    with pytest.raises(ValueError, match="takes that vocabulary's ids"):
+        model.on_columns(vocab_columns(restricted)).heads(frozen, h, predecessors)

@@ -412,9 +412,10 @@ def _forced(tokens_BxS):
     return engine.Proposer(lambda draft, frozen, state: (), select)
 
 
-def _slots_major(buffers):
-    """Attention cache buffers `[B, G, T, D]` as `[B, T, G, D]`, the slots where `_assert_close_rows` cuts."""
-    return [np.asarray(b).swapaxes(1, 2) for b in buffers]
+def _slots_major(buffers, axes=(0, 2, 1, 3)):
+    """Attention cache buffers as `[B, T, G, D]`, the slots where `_assert_close_rows` cuts: values
+    `[B, G, T, D]` by default, keys `[B, G, D, T]` with `axes=(0, 3, 1, 2)`."""
+    return [np.asarray(b).transpose(axes) for b in buffers]
 
 
 def _assert_close_rows(got, want, row, end, what):
@@ -477,8 +478,8 @@ def test_rollback_leaves_caches_equal_to_a_fresh_prefill(request, mesh1, kind):
             fresh_cache = DecodeCache.zeros(target.cfg, 1, 64, target.dtype)
             fresh = target(jnp.asarray([processed]), cache=fresh_cache, aux_layer_ids=AUX)
             _assert_close_rows(
-                _slots_major(cache.k_BxGxTxD),
-                _slots_major(fresh.cache.k_BxGxTxD),
+                _slots_major(cache.k_BxGxDxT, axes=(0, 3, 1, 2)),
+                _slots_major(fresh.cache.k_BxGxDxT, axes=(0, 3, 1, 2)),
                 row,
                 end,
                 "keys of attention layer",

@@ -30,6 +30,7 @@ import logging
 
 import jax
 
+from dspark_jax.kernels.backend import target_backend
 from dspark_jax.kernels.block_attention import pallas_gpu
 from dspark_jax.kernels.block_attention.common import BlockMemory
 from dspark_jax.kernels.block_attention.pallas import DEFAULT_BLOCK_SIZES, BlockSizes, block_attention_pallas
@@ -54,14 +55,6 @@ IMPLEMENTATIONS = ("auto", "pallas", "xla", "reference")
 PALLAS_BACKENDS = ("tpu", "gpu")  # backends with a compiled Pallas kernel
 AUTO_BACKENDS = ("tpu",)  # backends where 'auto' picks it
 _WARNED: set[str] = set()
-
-
-def target_backend() -> str:
-    """The platform being compiled for: the current mesh's devices' (`jax.set_mesh`), else the default;
-    'gpu' for CUDA (a topology's compile-only devices say 'cuda')."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    backend = device.platform if device is not None else jax.default_backend()
-    return "gpu" if backend == "cuda" else backend
 
 
 def _warn_once(key: str, message: str, *args) -> None:

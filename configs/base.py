@@ -120,6 +120,8 @@ Keys:
                             demo 8,192: its responses use ~5,000 distinct tokens, and its step takes half the
                             time, eval tau_prob 1.848 against 1.782: results/demo-vocab-2026-12-05).
   train.clip_norm           global gradient-norm clip (1.0).
+  train.copied_lr_scale     the learning rate of the parameters that start from the target's
+                            (`init.from_target_layers`, `init.context_from_aux`) over `peak_lr`'s (1.0).
   train.b1/b2/eps           AdamW moments.
   train.checkpoint_every    steps between orbax checkpoints (651).
   train.max_to_keep         checkpoints kept.
@@ -330,6 +332,7 @@ def get_config(preset: str = "paper") -> config_dict.ConfigDict:
     c.train.weight_decay = 0.0
     c.train.draft_vocab = {"paper": 0, "demo": 8192, "accel": 0, "smoke": 0}[preset]
     c.train.clip_norm = 1.0
+    c.train.copied_lr_scale = 1.0
     c.train.b1 = 0.9
     c.train.b2 = 0.999
     c.train.eps = 1e-8

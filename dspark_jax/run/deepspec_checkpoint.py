@@ -290,7 +290,9 @@ def import_draft(config, directory: str | os.PathLike, workdir: str | os.PathLik
 
     mesh = sharding.make_mesh(config.mesh.to_dict())
     params = _placed(sharding.with_shardings(abstract, mesh, config_lib.sharding_rules(config)), values)
-    _, optimizer = optimizer_lib.make_training_optimizer(config, params)
+    _, optimizer = optimizer_lib.make_training_optimizer(
+        config, params, draft_state.copied_mask(config, target)
+    )
     state = {"params": params, "opt_state": optimizer_lib.init_optimizer_state(optimizer, params, mesh)}
     meta = {
         "step": 0,

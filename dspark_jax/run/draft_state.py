@@ -8,6 +8,8 @@ import dataclasses
 import functools
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -121,11 +123,7 @@ def from_target_layers(
     draft tensor the target's layer lacks (q/k norms of a Llama target) keeps its init; a shape that differs
     is refused with the draft keys to set."""
     ids = target_layer_ids(config, target)
-    target_paths = {
-        tuple(path[2:]): tuple(var.get_value().shape)
-        for path, var in nnx.to_flat_state(nnx.state(abstract_model(target)))
-        if path[0] == "layers" and path[1] == 0
-    }
+    target_paths = _target_layer_paths(target)
     copied, placed = set(), []
     for path, var in nnx.to_flat_state(params):
         sub = tuple(path[2:])
@@ -154,6 +152,34 @@ def from_target_layers(
             ids[0],
         )
     return nnx.from_flat_state(placed)
+
+
+def _target_layer_paths(target: TargetConfig) -> dict[tuple, tuple[int, ...]]:
+    """A target layer's variable paths (below `layers.k`) and shapes: what a draft layer can start from."""
+    return {
+        tuple(path[2:]): tuple(var.get_value().shape)
+        for path, var in nnx.to_flat_state(nnx.state(abstract_model(target)))
+        if path[0] == "layers" and path[1] == 0
+    }
+
+
+def copied_mask(config, target: TargetConfig) -> Callable[[Any], Any] | None:
+    """The parameters `from_target_layers` starts from the target's (the draft layers' tensors a target
+    layer has, and `aux_proj` / `aux_norm` with `init.context_from_aux`) as a mask function of the draft's
+    parameters, for `train.copied_lr_scale`; None without `init.from_target_layers`."""
+    if not config.get("init", {}).get("from_target_layers"):
+        return None
+    target_paths = _target_layer_paths(target)
+    context = (
+        {("aux_proj", "kernel"), ("aux_norm", "scale")} if context_aux_index(config) is not None else set()
+    )
+
+    def copied(path) -> bool:
+        keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path)
+        keys = keys[:-1] if keys[-1] == "value" else keys  # an nnx.Variable's value leaf
+        return (keys[0] == "layers" and keys[2:] in target_paths) or keys in context
+
+    return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: copied(path), params)
 
 
 def context_aux_index(config) -> int | None:

@@ -58,15 +58,21 @@ def make_optimizer(
     b2: float = 0.999,
     eps: float = 1e-8,
     trainable_mask: TrainableMask | None = None,
+    scaled_mask: TrainableMask | None = None,
+    lr_scale: float = 1.0,
 ) -> optax.GradientTransformation:
     """Global-norm clipping then AdamW, optionally only on the parameters marked trainable.
 
     The first moment is kept in float32 (`mu_dtype`); the second follows the parameters,
     which are float32 master weights. With `trainable_mask`, frozen leaves get zero
     updates, hold no optimizer state (optax `MaskedNode` in their place) and do not count
-    in the clipping norm. `clip_norm=None` disables clipping.
+    in the clipping norm. `clip_norm=None` disables clipping. With `scaled_mask` (same form), the
+    updates of the leaves it marks are scaled by `lr_scale`: their learning rate (and decay) is
+    `lr_scale` x the schedule's, the rest's is the schedule's.
     """
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mu_dtype=jnp.float32)
+    if scaled_mask is not None and lr_scale != 1.0:
+        adamw = optax.chain(adamw, optax.masked(optax.scale(lr_scale), _on_values(scaled_mask)))
     tx = adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
     if trainable_mask is None:
         return tx
@@ -78,12 +84,31 @@ def make_optimizer(
     return optax.multi_transform({_TRAIN: tx, _FROZEN: optax.set_to_zero()}, labels)
 
 
+def _on_values(mask: TrainableMask) -> Callable[[Any], Any]:
+    """`mask` as a function of the parameters optax passes it, which under `multi_transform` hold
+    `MaskedNode`s in place of another branch's leaves: those are not marked."""
+
+    def marked(params: Any) -> Any:
+        full = mask(params) if callable(mask) else mask
+        return jax.tree.map(
+            lambda p, m: False if isinstance(p, optax.MaskedNode) else m,
+            params,
+            full,
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+        )
+
+    return marked
+
+
 log = logging.getLogger(__name__)
 
 
-def make_training_optimizer(config, params=None) -> tuple[optax.Schedule, optax.GradientTransformation]:
+def make_training_optimizer(
+    config, params=None, copied: TrainableMask | None = None
+) -> tuple[optax.Schedule, optax.GradientTransformation]:
     """The schedule and AdamW of `config.train`; the experiment's frozen parameters (if any) of
-    `params` get no update."""
+    `params` get no update; the parameters `copied` marks (those that start from the target's,
+    `draft_state.copied_mask`) learn at `train.copied_lr_scale` x the schedule's rate."""
     t = config.train
     trainable = groups.get(config.experiment).trainable
     schedule = make_schedule(t.peak_lr, t.total_steps, t.warmup_fraction)
@@ -95,6 +120,8 @@ def make_training_optimizer(config, params=None) -> tuple[optax.Schedule, optax.
         b2=t.b2,
         eps=t.eps,
         trainable_mask=None if trainable is None or params is None else trainable(params),
+        scaled_mask=copied,
+        lr_scale=t.get("copied_lr_scale", 1.0),  # absent from configs stored before it
     )
 
 

@@ -170,7 +170,9 @@ def step_memory(
         micro = jax.jit(micro_fn).lower(params, rest, frozen, batch).compile()
         accumulators = _placed(jax.eval_shape(micro_fn, params, rest, frozen, batch), micro.output_shardings)
     grads, sums = accumulators
-    _, optimizer = optimizer_lib.make_training_optimizer(config, params)
+    _, optimizer = optimizer_lib.make_training_optimizer(
+        config, params, draft_state.copied_mask(config, target)
+    )
     opt_state = _placed(
         jax.eval_shape(optimizer.init, params),
         optimizer_lib.optimizer_state_shardings(optimizer, params, mesh),

@@ -175,7 +175,8 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     graphdef, params, rest = draft_state.init_draft(config, side.config, mesh, read_target)
     if pretrained and not start:
         params = draft_state.warm_start(config, side.config, mesh, params, pretrained)
-    schedule, optimizer = optimizer_lib.make_training_optimizer(config, params)
+    copied = draft_state.copied_mask(config, side.config)
+    schedule, optimizer = optimizer_lib.make_training_optimizer(config, params, copied)
     opt_state = optimizer_lib.init_optimizer_state(optimizer, params, mesh)
 
     # ---- Input pipelines ----------------------------------------------------------------------

@@ -180,3 +180,23 @@ def test_a_context_from_an_aux_layer_needs_target_layers_and_an_aux_index(mesh1)
         config.init.context_from_aux = 3
     with pytest.raises(UsageError, match=r"context_from_aux=3: data.aux_layer_ids has 3 layers"):
         draft_state.init_draft(config, target, mesh1, lambda path, shape: np.zeros(shape))
+
+
+def test_the_copied_mask_marks_what_the_target_layers_and_the_context_start_from():
+    """`copied_mask` (for `train.copied_lr_scale`): the 27 layer tensors `from_target_layers` copies and, with
+    `context_from_aux`, `aux_proj` and `aux_norm`; nothing without `from_target_layers`."""
+    config, target = _smoke()
+    _, params, _ = draft_state.abstract_draft(config, target)
+    assert draft_state.copied_mask(config, target) is None
+    with config.unlocked():
+        config.init.from_target_layers = (0, 2, -1)
+    marked = lambda: {
+        jax.tree_util.keystr(path)
+        for path, m in jax.tree_util.tree_leaves_with_path(draft_state.copied_mask(config, target)(params))
+        if m
+    }
+    layers = marked()
+    assert len(layers) == 3 * 9 and all(k.startswith("['layers']") for k in layers)
+    with config.unlocked():
+        config.init.context_from_aux = -1
+    assert marked() - layers == {"['aux_proj']['kernel'].value", "['aux_norm']['scale'].value"}

@@ -67,6 +67,16 @@ def _numpy_adamw(params, grads_seq, *, lr, clip, b1=0.9, b2=0.999, eps=1e-8, wd=
     return p
 
 
+def _steps(tx, params, grads_seq):
+    """`params` after `tx`'s updates for each gradient of `grads_seq` in turn."""
+    p = jax.tree.map(jnp.asarray, params)
+    state = tx.init(p)
+    for grads in grads_seq:
+        updates, state = tx.update(jax.tree.map(jnp.asarray, grads), state, p)
+        p = optax.apply_updates(p, updates)
+    return p
+
+
 def test_adamw_with_clipping_matches_numpy():
     rng = np.random.default_rng(0)
     params = {"w": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=(3,)).astype(np.float32)}
@@ -74,12 +84,7 @@ def test_adamw_with_clipping_matches_numpy():
         {k: (rng.normal(size=v.shape) * scale).astype(np.float32) for k, v in params.items()}
         for scale in (5.0, 0.1, 3.0)  # global norms above and below the clip
     ]
-    tx = make_optimizer(1e-2, weight_decay=0.1, clip_norm=1.0)
-    p = jax.tree.map(jnp.asarray, params)
-    state = tx.init(p)
-    for grads in grads_seq:
-        updates, state = tx.update(jax.tree.map(jnp.asarray, grads), state, p)
-        p = optax.apply_updates(p, updates)
+    p = _steps(make_optimizer(1e-2, weight_decay=0.1, clip_norm=1.0), params, grads_seq)
     expected = _numpy_adamw(params, grads_seq, lr=1e-2, clip=1.0, wd=0.1)
     for k in params:
         np.testing.assert_allclose(np.asarray(p[k]), expected[k], rtol=1e-5, atol=1e-6)
@@ -127,3 +132,34 @@ def test_frozen_parameters_get_no_updates_and_no_state():
     ):
         np.testing.assert_allclose(got, want, rtol=1e-6)
         assert not np.allclose(got, before)
+
+
+def test_scaled_parameters_learn_at_their_share_of_the_rate_with_one_clipping_norm():
+    """`scaled_mask` + `lr_scale` (`train.copied_lr_scale`): the marked leaves follow AdamW at `lr_scale` x
+    the rate, the others at the rate, both after one global-norm clip over every leaf (numpy reference);
+    with frozen leaves besides, those still get nothing."""
+    rng = np.random.default_rng(1)
+    params = {"w": rng.normal(size=(4, 3)).astype(np.float32), "b": rng.normal(size=(3,)).astype(np.float32)}
+    grads_seq = [
+        {k: (rng.normal(size=v.shape) * s).astype(np.float32) for k, v in params.items()} for s in (4, 0.2)
+    ]
+    tx = make_optimizer(
+        1e-2, weight_decay=0.1, clip_norm=1.0, scaled_mask={"w": True, "b": False}, lr_scale=0.25
+    )
+    p = _steps(tx, params, grads_seq)
+    slow = _numpy_adamw(params, grads_seq, lr=2.5e-3, clip=1.0, wd=0.1)
+    fast = _numpy_adamw(params, grads_seq, lr=1e-2, clip=1.0, wd=0.1)
+    np.testing.assert_allclose(np.asarray(p["w"]), slow["w"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(p["b"]), fast["b"], rtol=1e-5, atol=1e-6)
+
+    _, draft = nnx.split(_Draft(nnx.Rngs(0)), nnx.Param)
+    body_kernel = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "body" in jax.tree_util.keystr(path) and "kernel" in jax.tree_util.keystr(path),
+        params,
+    )
+    tx = make_optimizer(1e-2, trainable_mask=_trainable, scaled_mask=body_kernel, lr_scale=0.5)
+    updates, _ = tx.update(jax.tree.map(jnp.ones_like, draft), tx.init(draft), draft)
+    assert not any(np.any(x) for x in jax.tree.leaves(updates["reranker"]))
+    np.testing.assert_allclose(
+        updates["body"]["kernel"].get_value(), 0.5 * updates["body"]["bias"].get_value()[0]
+    )

@@ -132,22 +132,23 @@ def test_compiles_for_a_tpu_topology_with_libtpu():
 
 
 def test_expert_weights_are_sharded_by_the_rules(mesh8):
-    """('expert', 'embed', 'mlp') by default: every expert on every device, sliced along H over 'fsdp' and
-    I over 'tensor'. A table that maps 'expert' to 'fsdp' too splits whole experts instead (the first
-    logical axis takes the mesh axis, 'embed' stays whole), unless 'fsdp' does not divide the count."""
+    """('expert', 'embed', 'mlp') by default: whole experts split over 'fsdp' (the first logical axis takes
+    the mesh axis, 'embed' stays whole; expert parallelism), I over 'tensor'; unless 'fsdp' does not divide
+    the count, which slices every expert along H instead. A table that maps 'expert' to nothing keeps every
+    expert on every device, sliced along H."""
     spec = lambda x, rules=sharding.DEFAULT_RULES: sharding.logical_to_spec(
         ("expert", "embed", "mlp"), (x, 64, 32), mesh8, rules
     )
-    experts_on_fsdp = tuple((n, "fsdp" if n == "expert" else a) for n, a in sharding.DEFAULT_RULES)
-    assert spec(8) == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
-    assert spec(8, experts_on_fsdp) == jax.sharding.PartitionSpec("fsdp", None, "tensor")
-    assert spec(3, experts_on_fsdp) == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    experts_everywhere = tuple((n, None if n == "expert" else a) for n, a in sharding.DEFAULT_RULES)
+    assert spec(8) == jax.sharding.PartitionSpec("fsdp", None, "tensor")
+    assert spec(3) == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert spec(8, experts_everywhere) == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
 
 
 def test_target_forward_splits_the_experts_over_devices_and_the_bytes_add_up():
     """The cache builder's forward of a hybrid MoE target on 1 and on 8 CPU devices (fsdp=8): each device
-    holds an eighth of every expert (H over 'fsdp') and 2 rows of the batch and of the bf16 outputs; the
-    categories are the program's arguments, outputs and temporaries."""
+    holds one of the 8 experts whole (expert parallelism) and 2 rows of the batch and of the bf16 outputs;
+    the categories are the program's arguments, outputs and temporaries."""
     config = _smoke_hybrid_moe()
     one = target_forward_memory(config, rows=2)
     eight = target_forward_memory(config, rows=2, devices=jax.devices()[:8])
@@ -167,8 +168,8 @@ def test_target_forward_splits_the_experts_over_devices_and_the_bytes_add_up():
         assert 0 <= table <= 64 and report["estimated_peak_bytes"] == sum(per.values()) + table
     assert set(one["expert_sharding"].values()) == {"P(None, None, None)"}
     assert eight["expert_sharding"] == {
-        "expert,embed,mlp": "P(None, 'fsdp', None)",
-        "expert,mlp,embed": "P(None, None, 'fsdp')",
+        "expert,embed,mlp": "P('fsdp', None, None)",
+        "expert,mlp,embed": "P('fsdp', None, None)",
     }
     assert eight["per_device_bytes"]["other_target_state"] < one["per_device_bytes"]["other_target_state"]
     assert one["target_parameters"] == eight["target_parameters"] > experts // 4

@@ -151,6 +151,11 @@ def per_shard(fn, in_axes, out_axes: Sequence[str | None]):
     return wrapped
 
 
+def _axis_names(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axis names of one `PartitionSpec` entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def expert_parallel(fn):
     """`fn(x_TxH, ids_TxK, weights_TxK, gate_XxHxI, up_XxHxI, down_XxIxH, first_expert=0) -> y_TxH` (routed
     experts: each token's weighted sum over its picks of the `X` experts from `first_expert`) run
@@ -174,12 +179,9 @@ def expert_parallel(fn):
         expert_spec = logical_to_spec(("expert",), gate_XxHxI.shape[:1], mesh, rules)[0]
         if expert_spec is None:
             return fn(*args)
-        expert_axes = (expert_spec,) if isinstance(expert_spec, str) else tuple(expert_spec)
+        expert_axes = _axis_names(expert_spec)
         rows_spec = logical_to_spec(("batch", None), x_TxH.shape, mesh, rules)[0]
-        row_axes = (
-            () if rows_spec is None else (rows_spec,) if isinstance(rows_spec, str) else tuple(rows_spec)
-        )
-        gathered = tuple(a for a in row_axes if a in expert_axes)
+        gathered = tuple(a for a in _axis_names(rows_spec) if a in expert_axes)
         summed = tuple(a for a in expert_axes if a not in gathered)
 
         def shard(x_TxH, ids_TxK, weights_TxK, gate_XxHxI, up_XxHxI, down_XxIxH):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax import sharding
-from dspark_jax.kernels.experts import dense_swiglu, resolve_implementation, routed_swiglu
+from dspark_jax.kernels.experts import check_implementation, dense_swiglu, routed_swiglu
 from dspark_jax.nn import Dtype, Linear, SwiGLU, normal_init
 
 
@@ -54,7 +54,7 @@ class SparseMoE(nnx.Module):
     ):
         if not 0 < top_k <= num_experts:
             raise ValueError(f"{top_k=} must be between 1 and {num_experts=}")
-        resolve_implementation(implementation, backend="cpu")  # an unknown name fails here
+        check_implementation(implementation)
         self.implementation = implementation
         self.tile = tile
         kw = dict(rngs=rngs, param_dtype=param_dtype, dtype=dtype)
@@ -97,20 +97,20 @@ class SparseMoE(nnx.Module):
 
     def __call__(self, x_BxTxH: jax.Array) -> jax.Array:
         """The block's output `[B, T, H]` (any leading dims), in the dtype of `x`."""
+        routed = functools.partial(routed_swiglu, implementation=self.implementation, tile=self.tile)
+        return self.forward(x_BxTxH, sharding.expert_parallel(routed))
+
+    def forward(self, x_BxTxH: jax.Array, routed) -> jax.Array:
+        """The block's output with the routed experts' weighted sum computed by `routed(x_TxH, ids_TxK,
+        weights_TxK, gate, up, down) -> [T, H]`."""
         h = x_BxTxH.shape[-1]
         x_BTxH = x_BxTxH.reshape(-1, h).astype(self.dtype)
         ids_BTxK, weights_BTxK = self.route(x_BTxH)
-        routed = functools.partial(routed_swiglu, implementation=self.implementation, tile=self.tile)
-        y_BTxH = sharding.expert_parallel(routed)(x_BTxH, ids_BTxK, weights_BTxK, *self.expert_weights())
-        y_BTxH = y_BTxH + self.shared_output(x_BTxH)
+        y_BTxH = routed(x_BTxH, ids_BTxK, weights_BTxK, *self.expert_weights()) + self.shared_output(x_BTxH)
         return y_BTxH.reshape(x_BxTxH.shape).astype(x_BxTxH.dtype)
 
 
 def dense_reference(moe: SparseMoE, x_BxTxH: jax.Array) -> jax.Array:
     """`moe(x)` computed with every token through every expert, weighted by a dense routing matrix
     `[BT, X]` that is zero off each token's top-k: `X/K` times the expert work of the sparse pass."""
-    h = x_BxTxH.shape[-1]
-    x_BTxH = x_BxTxH.reshape(-1, h).astype(moe.dtype)
-    ids_BTxK, weights_BTxK = moe.route(x_BTxH)
-    y_BTxH = dense_swiglu(x_BTxH, ids_BTxK, weights_BTxK, *moe.expert_weights()) + moe.shared_output(x_BTxH)
-    return y_BTxH.reshape(x_BxTxH.shape).astype(x_BxTxH.dtype)
+    return moe.forward(x_BxTxH, dense_swiglu)

@@ -30,6 +30,7 @@ from dspark_jax.kernels.experts.tiled import default_tile, tiled_swiglu
 __all__ = [
     "IMPLEMENTATIONS",
     "Plan",
+    "check_implementation",
     "default_tile",
     "dense_swiglu",
     "plan",
@@ -40,11 +41,16 @@ __all__ = [
 IMPLEMENTATIONS = ("auto", "tiled", "ragged_dot", "dense")
 
 
+def check_implementation(implementation: str) -> None:
+    """A `ValueError` naming the choices unless `implementation` is one of `IMPLEMENTATIONS`."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown experts implementation {implementation!r}; use one of {IMPLEMENTATIONS}")
+
+
 def resolve_implementation(implementation: str, backend: str | None = None) -> str:
     """The implementation that runs on `backend` (default `target_backend()`): 'auto' is 'ragged_dot' on
     TPU and 'tiled' elsewhere."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown experts implementation {implementation!r}; use one of {IMPLEMENTATIONS}")
+    check_implementation(implementation)
     if implementation != "auto":
         return implementation
     return "ragged_dot" if (backend or target_backend()) == "tpu" else "tiled"

@@ -254,7 +254,7 @@ class MarkovHead(nnx.Module):
     def __init__(self, vocab: int, rank: int, *, rngs: nnx.Rngs, param_dtype: Dtype):
         self.w1 = nnx.Param(normal_init(rngs, (vocab, rank), param_dtype), axes=("vocab", "rank"))
         self.w2 = nnx.Param(normal_init(rngs, (rank, vocab), param_dtype), axes=("rank", "vocab"))
-        self.cut_to_ids = False  # `on_columns`: W2 holds the columns of a draft vocabulary only
+        self.column_at = nnx.data(None)  # `on_columns`: W2 holds a draft vocabulary's columns; each id's column [V]
 
     def features(self, predecessors_x: jax.Array) -> jax.Array:
         """`m [..., R]` for predecessor token ids `[...]`."""
@@ -262,26 +262,34 @@ class MarkovHead(nnx.Module):
 
     def on_columns(self, ids_K: jax.Array) -> MarkovHead:
         """This head over the vocabulary ids `ids_K` only (a draft vocabulary): `W2`'s columns gathered once,
-        `W1` shared. Its `bias` takes those ids (`[K]`) as `columns_xK`. A loss that runs the head per chunk
-        of anchors under `jax.lax.scan` uses it so that the backward pass accumulates `W2`'s gradient over
-        `K` columns and scatters it into `V` once instead of once per chunk (11% of the demo step)."""
+        `W1` shared. Its `bias` takes those ids (`[K]`) as `columns_xK`; `columns` maps vocabulary ids to
+        them (ids outside the vocabulary read NaN). A loss that runs the head per chunk of anchors under
+        `jax.lax.scan` uses it so that the backward pass accumulates `W2`'s gradient over `K` columns and
+        scatters it into `V` once instead of once per chunk (11% of the demo step)."""
         view = nnx.merge(*nnx.split(self))
-        view.w2 = nnx.Param(jnp.take(self.w2.get_value(), ids_K, axis=1), axes=("rank", "vocab"))
-        view.cut_to_ids = True
+        w2_RxV = self.w2.get_value()
+        view.w2 = nnx.Param(jnp.take(w2_RxV, ids_K, axis=1), axes=("rank", "vocab"))
+        k = ids_K.shape[0]
+        view.column_at = nnx.Variable(jnp.full((w2_RxV.shape[1],), k, jnp.int32).at[ids_K].set(jnp.arange(k)))
         return view
+
+    def columns(self, ids_xK: jax.Array) -> jax.Array:
+        """`W2`'s columns of the vocabulary ids `ids_xK`, `[..., K, R]` (the ids' output embeddings)."""
+        at_xK = ids_xK if self.column_at is None else self.column_at.get_value()[ids_xK]
+        return jnp.moveaxis(jnp.take(self.w2.get_value(), at_xK, axis=1), 0, -1)  # gathers, no transpose
 
     def bias(self, m_xR: jax.Array, columns_xK: jax.Array | None = None) -> jax.Array:
         """Float32 vocabulary bias `[..., V]`, or `[..., K]` at the vocabulary ids `columns_xK` only: one
         row's own ids `[..., K]`, or ids `[K]` every row shares (a draft vocabulary)."""
         w2_RxV = self.w2.get_value().astype(m_xR.dtype)
-        if self.cut_to_ids:
-            if columns_xK is None or columns_xK.ndim != 1 or columns_xK.shape[0] != w2_RxV.shape[1]:
+        if self.column_at is not None and (columns_xK is None or columns_xK.ndim == 1):
+            if columns_xK is None or columns_xK.shape[0] != w2_RxV.shape[1]:
                 raise ValueError("a Markov head cut to a draft vocabulary takes that vocabulary's ids [K]")
             return jnp.einsum("...r,rk->...k", m_xR, w2_RxV, preferred_element_type=jnp.float32)
         if columns_xK is None or columns_xK.ndim == 1:
             w2_RxK = w2_RxV if columns_xK is None else jnp.take(w2_RxV, columns_xK, axis=1)
             return jnp.einsum("...r,rk->...k", m_xR, w2_RxK, preferred_element_type=jnp.float32)
-        w2_xKxR = jnp.moveaxis(jnp.take(w2_RxV, columns_xK, axis=1), 0, -1)  # gathers columns, no transpose
+        w2_xKxR = self.columns(columns_xK).astype(m_xR.dtype)
         return jnp.einsum("...r,...kr->...k", m_xR, w2_xKxR, preferred_element_type=jnp.float32)
 
 

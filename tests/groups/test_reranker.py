@@ -207,7 +207,8 @@ def test_no_hit_anywhere_gives_a_zero_rank_loss():
 
 def test_over_a_draft_vocabulary_it_reranks_as_the_whole_vocabulary_with_the_rest_excluded():
     """Logits over a draft vocabulary's ids (`train.draft_vocab`) give the candidates (as vocabulary ids),
-    scores and rerank sums of the whole vocabulary's logits with every other id at -1e30."""
+    scores and rerank sums of the whole vocabulary's logits with every other id at -1e30; so does the draft
+    cut to that vocabulary (`on_columns`, what the chunked loss runs: its `W2` holds those columns only)."""
     model, _, _, _, targets, h, logits, _ = _setup(5, 8)
     vocab = np.sort(np.random.default_rng(5).choice(V, V // 2, replace=False))
     masked = np.full(logits.shape, -1e30, np.float32)
@@ -217,6 +218,8 @@ def test_over_a_draft_vocabulary_it_reranks_as_the_whole_vocabulary_with_the_res
     part = model.rerank(h, restricted, targets.predecessors, jnp.asarray(vocab))
     np.testing.assert_array_equal(part.candidates_xSxK, whole.candidates_xSxK)
     np.testing.assert_allclose(part.scores_xSxK, whole.scores_xSxK, rtol=1e-6)
+    cut = model.on_columns(jnp.asarray(vocab)).rerank(h, restricted, targets.predecessors, jnp.asarray(vocab))
+    np.testing.assert_allclose(cut.scores_xSxK, part.scores_xSxK, rtol=1e-6)
     # A teacher that agrees with the draft's greedy choice: the agreement sums count ids, not columns.
     teacher = jax.nn.softmax(jnp.asarray(masked), axis=-1)
     args = teacher, targets.labels, targets.eval_mask.astype(jnp.float32)

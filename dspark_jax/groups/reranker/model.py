@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.draft.model import DraftConfig, DSparkDraft, MarkovHead
+from dspark_jax.draft.model import DraftConfig, DSparkDraft
 from dspark_jax.nn import AttentionProjections, Dtype, LayerNorm, Linear, gqa_attention, normal_init
 
 
@@ -130,11 +130,6 @@ class PrefixReranker(nnx.Module):
         )
 
 
-def out_rows(markov: MarkovHead, candidates_xK: jax.Array) -> jax.Array:
-    """`E_out(v)` `[..., K, R]`: the candidates' columns of `W2`."""
-    return jnp.moveaxis(jnp.take(markov.w2.get_value(), candidates_xK, axis=1), 0, -1)
-
-
 class RerankerDraft(DSparkDraft):
     """The DSpark draft plus the prefix reranker over its top-K corrected candidates."""
 
@@ -164,7 +159,7 @@ class RerankerDraft(DSparkDraft):
         else:
             candidates_xK = jnp.take_along_axis(columns_xV, index_xK, axis=-1)
         u_xW = self.reranker.queries(h_xH.astype(self.dtype), r_xW)
-        e_out_xKxR = out_rows(self.markov, candidates_xK).astype(self.dtype)
+        e_out_xKxR = self.markov.columns(candidates_xK).astype(self.dtype)  # `E_out(v)`
         return Reranked(candidates_xK, top_xK + self.reranker.deltas(u_xW, e_out_xKxR))
 
     def online_rescorer(self, batch: int):

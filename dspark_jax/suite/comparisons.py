@@ -7,6 +7,11 @@ stage: each row's final checkpoint on its own blocks and on the same prefixes) a
 (per-request tokens and cycles, per-batch tokens and seconds). The reference rows are the suite's first
 group's: its own run and its same-budget continuations; a row is compared with the one of its cumulative
 step, and a row that starts from another's checkpoint also with that checkpoint's row.
+
+A row trained with several seeds (`plan.with_seeds`) is one `Entry`: its figures are the seeds' means and
+their intervals cover the spread between seeds as well as the samples' (`intervals.seeds_ratio`,
+`seeds_difference`; seed `k` of a row paired with seed `k` of its reference), so "told apart from noise"
+(bold) means apart from both.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from dspark_jax.training.intervals import Interval, SampleSums
 
 EVALUATION_JSON, EVALUATION_NPZ = "evaluation.json", "evaluation.npz"
 OWN, SAME = "own", "same_prefixes"
+PICKED = (
+    "(a')"  # marks a figure on the prefixes a group picks itself (its stage-2 anchors), not uniform anchors
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,68 @@ def load_rows(data: epath.Path, suite_groups: Sequence[plan.Group], names: Seque
         spec = {p.stem: json.loads(p.read_text()) for p in (data / name / SPECULATE_DIR).glob("*.json")}
         rows.append(Row(by_name[name], record["step"], samples, spec))
     return rows
+
+
+def base_name(group: plan.Group) -> str:
+    """The plan row a seed row repeats (`plan.with_seeds`); the row's own name for seed 0."""
+    return group.name.removesuffix(f"_seed{group.seed_offset}") if group.seed_offset else group.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One plan row over its training seeds: its runs, seed 0 first (one run without `--seeds`)."""
+
+    runs: tuple[Row, ...]
+
+    @property
+    def group(self) -> plan.Group:
+        """Seed 0's plan row: the row's name, label and relations."""
+        return self.runs[0].group
+
+    @property
+    def step(self) -> int:
+        return self.runs[0].step
+
+    @property
+    def own_blocks_are_uniform(self) -> bool:
+        return self.runs[0].own_blocks_are_uniform
+
+    @property
+    def label(self) -> str:
+        seeds = len(self.runs)
+        return self.group.label + ("" if seeds == 1 else f" ({seeds} seeds)")
+
+    def offsets(self) -> list[int]:
+        return [r.group.seed_offset for r in self.runs]
+
+    def sums(self, kind: str, metric: str, offsets: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """`(numerator [S, K], denominator [S, K])` of an offline metric over the seeds `offsets` (the same
+        validation samples for each); None where a seed lacks that evaluation."""
+        runs = [r for o in offsets for r in self.runs if r.group.seed_offset == o]
+        if len(runs) != len(offsets) or any(kind not in r.samples for r in runs):
+            return None
+        keys = runs[0].samples[kind].keys_Kx3
+        if any(not np.array_equal(r.samples[kind].keys_Kx3, keys) for r in runs):
+            raise ValueError(f"{self.group.name}: its seeds were evaluated on other validation samples")
+        parts = [intervals.metric_parts(r.samples[kind])[metric] for r in runs]
+        return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
+
+    def mal(self, offsets: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """`(tokens [S, R], cycles [S, R])` of the greedy decodes of the seeds `offsets`, the same `R`
+        requests each; None where a seed lacks one."""
+        runs = [r for o in offsets for r in self.runs if r.group.seed_offset == o]
+        parts = [(_mal_parts(g) if (g := _greedy(r)) else None) for r in runs]
+        if len(runs) != len(offsets) or any(p is None for p in parts) or len({len(p[0]) for p in parts}) != 1:
+            return None
+        return np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts])
+
+
+def entries(rows: Sequence[Row]) -> list[Entry]:
+    """The rows gathered per plan row over their seeds, in suite order."""
+    by_base: dict[str, list[Row]] = {}
+    for r in rows:
+        by_base.setdefault(base_name(r.group), []).append(r)
+    return [Entry(tuple(sorted(runs, key=lambda r: r.group.seed_offset))) for runs in by_base.values()]
 
 
 def _greedy(row: Row) -> dict | None:
@@ -111,81 +181,98 @@ def markdown(head: list[str], body: list[list[str]]) -> list[str]:
     return [line(head), "|" + " --- |" * len(head), *map(line, body)]
 
 
-def figures_table(rows: Sequence[Row]) -> list[str]:
-    """Each row's tau_prob (own blocks, same prefixes), accept_rate_0, MAL and tokens/s with 95% intervals."""
+def figures_table(found: Sequence[Entry]) -> list[str]:
+    """Each entry's tau_prob (own blocks, same prefixes), accept_rate_0 and MAL with 95% intervals (over
+    samples or requests, and over seeds where it has several)."""
     head = [
         "row",
         "step",
+        "seeds",
         "tau_prob, own blocks",
         "tau_prob, same prefixes",
         "acc@0, own blocks",
         "MAL T=0",
-        "tok/s T=0",
     ]
-    body = []
-    for r in rows:
-        own = intervals.metric_parts(r.samples[OWN])
-        same = intervals.metric_parts(r.samples[SAME]) if SAME in r.samples else None
-        greedy = _greedy(r)
-        mal = _mal_parts(greedy) if greedy else None
-        tps = _tps_parts(greedy) if greedy else None
-        body.append(
-            [
-                r.group.label,
-                str(r.step),
-                fmt(_safe(intervals.ratio, *own["tau_prob"]))
-                + ("" if r.own_blocks_are_uniform else " stage 2"),
-                fmt(_safe(intervals.ratio, *same["tau_prob"])) if same else "-",
-                fmt(_safe(intervals.ratio, *own["accept_rate_0"]), 3),
-                fmt(_safe(intervals.ratio, *mal), 3) if mal else "-",
-                fmt(_safe(intervals.ratio, *tps), 1) if tps else "-",
-            ]
-        )
+
+    def figure(e: Entry, kind: str, metric: str, digits: int = 4) -> str:
+        parts = e.sums(kind, metric, e.offsets())
+        mark = "" if kind != OWN or e.own_blocks_are_uniform else f" {PICKED}"
+        return (fmt(_safe(intervals.seeds_ratio, *parts), digits) if parts else "-") + mark
+
+    body = [
+        [
+            e.group.label,
+            str(e.step),
+            str(len(e.runs)),
+            figure(e, OWN, "tau_prob"),
+            figure(e, SAME, "tau_prob"),
+            figure(e, OWN, "accept_rate_0", 3),
+            fmt(_safe(intervals.seeds_ratio, *mal), 3) if (mal := e.mal(e.offsets())) else "-",
+        ]
+        for e in found
+    ]
     return markdown(head, body)
 
 
 @dataclasses.dataclass(frozen=True)
 class Gain:
-    """A row against another row: paired differences of tau_prob (own blocks when both are the uniform
-    anchors, and on the same prefixes), accept_rate_0 and greedy MAL."""
+    """An entry against another: paired differences of tau_prob (own blocks when both are the uniform
+    anchors, and on the same prefixes), accept_rate_0 and greedy MAL, over the seeds both have (seed `k`
+    against seed `k`)."""
 
-    row: Row
-    against: Row
+    row: Entry
+    against: Entry
     kind: str  # "same budget" or "its starting checkpoint"
+    seeds: int
     tau_own: Interval | None
     tau_same: Interval | None
     accept0_same: Interval | None
     mal: Interval | None
 
 
-def _gain(row: Row, against: Row, kind: str) -> Gain:
+def _gain(row: Entry, against: Entry, kind: str) -> Gain:
+    offsets = [o for o in row.offsets() if o in against.offsets()]
+
+    def difference(kind_: str, metric: str) -> Interval | None:
+        ours, theirs = row.sums(kind_, metric, offsets), against.sums(kind_, metric, offsets)
+        if ours is None or theirs is None:
+            return None
+        if not np.array_equal(row.runs[0].samples[kind_].keys_Kx3, against.runs[0].samples[kind_].keys_Kx3):
+            raise ValueError(
+                f"{row.group.name} and {against.group.name} were evaluated on other validation samples"
+            )
+        return _safe(intervals.seeds_difference, *ours, *theirs)
+
     both_uniform = row.own_blocks_are_uniform and against.own_blocks_are_uniform
-    own = intervals.paired_gains(row.samples[OWN], against.samples[OWN]) if both_uniform else {}
-    same = {}
-    if SAME in row.samples and SAME in against.samples:
-        same = intervals.paired_gains(row.samples[SAME], against.samples[SAME])
-    mal = None
-    ours, theirs = (_greedy(r) for r in (row, against))
-    if ours and theirs and (a := _mal_parts(ours)) and (b := _mal_parts(theirs)) and len(a[0]) == len(b[0]):
-        mal = _safe(intervals.paired_difference, *a, *b)
-    return Gain(row, against, kind, own.get("tau_prob"), same.get("tau_prob"), same.get("accept_rate_0"), mal)
+    a, b = row.mal(offsets), against.mal(offsets)
+    mal = _safe(intervals.seeds_difference, *a, *b) if a and b and a[0].shape == b[0].shape else None
+    return Gain(
+        row,
+        against,
+        kind,
+        len(offsets),
+        difference(OWN, "tau_prob") if both_uniform else None,
+        difference(SAME, "tau_prob"),
+        difference(SAME, "accept_rate_0"),
+        mal,
+    )
 
 
-def gains(rows: Sequence[Row], suite_groups: Sequence[plan.Group]) -> list[Gain]:
-    """Every non-reference row against the reference row of its step and seed; a row that starts from
-    another's checkpoint also against that row (its starting point), a continued run against its source."""
+def gains(found: Sequence[Entry], suite_groups: Sequence[plan.Group]) -> list[Gain]:
+    """Every non-reference entry against the reference entry of its step; one that starts from another's
+    checkpoint also against that entry (its starting point), a continued run against its source."""
     reference = suite_groups[0].module
-    refs = {(r.group.seed_offset, r.step): r for r in rows if r.group.module == reference}
-    by_name = {r.group.name: r for r in rows}
+    refs = {e.step: e for e in found if e.group.module == reference}
+    by_name = {e.group.name: e for e in found}
     out = []
-    for r in rows:
-        ref = refs.get((r.group.seed_offset, r.step))
-        if r.group.module != reference and ref is not None:
-            out.append(_gain(r, ref, "same budget"))
-        if r.group.starts_from in by_name:
-            out.append(_gain(r, by_name[r.group.starts_from], "its starting checkpoint"))
-        if r.group.continues in by_name:
-            out.append(_gain(r, by_name[r.group.continues], "the same run, fewer steps"))
+    for e in found:
+        ref = refs.get(e.step)
+        if e.group.module != reference and ref is not None:
+            out.append(_gain(e, ref, "same budget"))
+        if e.group.starts_from in by_name:
+            out.append(_gain(e, by_name[e.group.starts_from], "its starting checkpoint"))
+        if e.group.continues in by_name:
+            out.append(_gain(e, by_name[e.group.continues], "the same run, fewer steps"))
     return out
 
 
@@ -194,6 +281,7 @@ def gains_table(found: Sequence[Gain]) -> list[str]:
         "row",
         "step",
         "against",
+        "seeds",
         "d tau_prob, uniform anchors",
         "d tau_prob, same prefixes",
         "d acc@0, same prefixes",
@@ -204,6 +292,7 @@ def gains_table(found: Sequence[Gain]) -> list[str]:
             g.row.group.label,
             str(g.row.step),
             f"{g.against.group.label} step {g.against.step} ({g.kind})",
+            str(g.seeds),
             fmt(g.tau_own, signed=True),
             fmt(g.tau_same, signed=True),
             fmt(g.accept0_same, 3, signed=True),
@@ -221,6 +310,7 @@ def _verdict(g: Gain) -> str:
         return f"no paired figure against {g.against.group.label}"
     x = told[0]
     where = "same prefixes" if x is g.tau_same else "uniform anchors"
+    where += "" if g.seeds == 1 else f", {g.seeds} seeds"
     against = f"{g.against.group.label} step {g.against.step} ({g.kind})"
     figure = f"step {g.row.step}: tau_prob {_figure(x, 4, True)} ({where})"
     if x.excludes_zero:
@@ -229,7 +319,7 @@ def _verdict(g: Gain) -> str:
 
 
 def design_table(
-    rows: Sequence[Row], suite_groups: Sequence[plan.Group], found: Sequence[Gain], params: Mapping[str, dict]
+    suite_groups: Sequence[plan.Group], found: Sequence[Gain], params: Mapping[str, dict]
 ) -> list[str]:
     """The seed's group table, each row's cells from the registry (`Experiment.design`), plus the answer its
     gains give at this budget."""
@@ -237,7 +327,7 @@ def design_table(
     body = []
     for group in suite_groups:
         design = registry.get(group.module).design
-        if group.continues or design is None:
+        if group.continues or group.seed_offset or design is None:
             continue
         added = params.get(group.name, {}).get("added")
         adds = design.adds + ("" if not added else f" (+{added:,} parameters)")
@@ -248,37 +338,36 @@ def design_table(
     return markdown(head, body)
 
 
-def _base(group: plan.Group) -> str:
-    """The row a seed row repeats (`plan.with_seeds`)."""
-    return group.name.removesuffix(f"_seed{group.seed_offset}") if group.seed_offset else group.name
+def _per_seed(parts: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray | None:
+    """Each seed's point figure of `(numerator [S, K], denominator [S, K])`."""
+    return None if parts is None else parts[0].sum(-1) / parts[1].sum(-1)
 
 
-def seeds_table(rows: Sequence[Row], found: Sequence[Gain]) -> list[str]:
-    """Per row trained with several seeds: tau_prob on its own blocks and its same-budget gain (on the same
-    prefixes where its own blocks are its own picks), mean and standard deviation across the seeds, and
-    the range; empty without seed rows."""
-    if not any(r.group.seed_offset for r in rows):
+def seeds_table(found: Sequence[Entry], gained: Sequence[Gain]) -> list[str]:
+    """Per entry trained with several seeds: each seed's tau_prob on its own blocks and its same-budget gain
+    (on the same prefixes where its own blocks are its own picks), their mean, standard deviation and
+    range; empty without seeds."""
+    seeded = [e for e in found if len(e.runs) > 1]
+    if not seeded:
         return []
-    taus, deltas, labels = {}, {}, {}
-    for r in rows:
-        base = _base(r.group)
-        labels.setdefault(base, r.group.label)
-        num, den = intervals.metric_parts(r.samples[OWN])["tau_prob"]
-        taus.setdefault(base, []).append(float(num.sum() / den.sum()))
-    for g in found:
-        if g.kind == "same budget" and (x := g.tau_own or g.tau_same) is not None:
-            deltas.setdefault(_base(g.row.group), []).append(x.estimate)
 
-    def spread(values: list[float], signed: bool) -> str:
-        if not values:
+    def spread(values: np.ndarray | None, signed: bool) -> str:
+        if values is None or not len(values):
             return "-"
-        v = np.asarray(values)
-        sd = float(v.std(ddof=1)) if len(v) > 1 else 0.0
+        sd = float(values.std(ddof=1)) if len(values) > 1 else 0.0
         f = (lambda x: f"{x:+.4f}") if signed else (lambda x: f"{x:.4f}")
-        return f"{f(v.mean())} +- {sd:.4f} ({f(v.min())} .. {f(v.max())})"
+        return f"{f(values.mean())} +- {sd:.4f} ({f(values.min())} .. {f(values.max())})"
 
+    body = []
+    for e in seeded:
+        delta = None
+        for g in gained:
+            if g.row is e and g.kind == "same budget":
+                offsets = [o for o in e.offsets() if o in g.against.offsets()]
+                kind = OWN if g.tau_own is not None else SAME
+                ours, theirs = (_per_seed(x.sums(kind, "tau_prob", offsets)) for x in (e, g.against))
+                delta = None if ours is None or theirs is None else ours - theirs
+        tau = _per_seed(e.sums(OWN, "tau_prob", e.offsets()))
+        body.append([e.group.label, str(len(e.runs)), spread(tau, False), spread(delta, True)])
     head = ["row", "seeds", "tau_prob, own blocks: mean +- sd (range)", "d tau_prob, same budget: mean +- sd"]
-    body = [
-        [labels[b], str(len(taus[b])), spread(taus[b], False), spread(deltas.get(b, []), True)] for b in taus
-    ]
     return markdown(head, body)

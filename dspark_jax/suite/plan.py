@@ -138,8 +138,10 @@ PROTOCOLS = {
         settings=((0.0, "fixed"), (1.0, "confidence")),
         time_phases=False,
     ),
-    "demo": Protocol(limit=16, max_new_tokens=96, budget=150),
-    "accel": Protocol(limit=64, max_new_tokens=256, budget=1000, concurrency=8),
+    # Three training seeds a row: a difference is told apart from noise only beyond the spread between
+    # seeds (one run's sample interval misses it: two equal Baseline runs once differed "beyond noise").
+    "demo": Protocol(limit=16, max_new_tokens=96, budget=150, seeds=3),
+    "accel": Protocol(limit=64, max_new_tokens=256, budget=1000, seeds=3, concurrency=8),
     "paper": Protocol(limit=0, max_new_tokens=256, budget=2604, concurrency=8),  # the seed's one epoch
 }
 

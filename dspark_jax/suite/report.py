@@ -173,7 +173,9 @@ def _ablation_cell(final: Mapping, name: str) -> str:
     return f"{without:.4f} ({gain:+.4f} [{low:+.4f}, {high:+.4f}])"
 
 
-def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int) -> list[str]:
+def _results_table(
+    groups: list[_Group], params: Mapping[str, dict], block: int, picked: set[str]
+) -> list[str]:
     rates = [f"acc@{i}" for i in range(block)]
     own = _group_columns(groups)
     ablations = _ablations(groups)
@@ -200,7 +202,7 @@ def _results_table(groups: list[_Group], params: Mapping[str, dict], block: int)
         )
         added = params.get(g.name, {}).get("added")
         cells = [
-            _label(g.name),
+            _label(g.name) + (f" {comparisons.PICKED}" if g.name in picked else ""),
             str(f.get("step", "-")),
             _num(f.get("eval/tau_prob"), 4),
             *(_num(f.get(f"eval/accept_rate_{i}")) for i in range(block)),
@@ -256,11 +258,23 @@ def _decoding_table(groups: list[_Group], protocol: Mapping) -> list[str]:
     return comparisons.markdown(head, body)
 
 
-def _plots(out: epath.Path, groups: list[_Group]) -> None:
-    plots.lines(
-        out / "tau_prob.png",
-        {
-            _label(g.name): (
+def plot_series(groups: list[_Group], picked: set[str]) -> dict[str, dict]:
+    """Each plot's series by legend label: every row in each plot, a row's acceptance on the prefixes it
+    picks itself (`picked`) marked as such, a row without a greedy decode named so with no bars."""
+    label = lambda g: _label(g.name) + (f" {comparisons.PICKED}" if g.name in picked else "")
+    block = _block_size(groups)
+    histograms = {}
+    for g in groups:
+        r = g.speculative(0.0)
+        if r is None:
+            histograms[f"{_label(g.name)} (not decoded)"] = {}
+            continue
+        h = r["speculative"]["accepted_length_histogram"]
+        total = max(sum(h.values()), 1)
+        histograms[_label(g.name)] = {k: v / total for k, v in h.items()}
+    return {
+        "tau_prob.png": {
+            label(g): (
                 [x["step"] for x in g.evals],
                 [x["eval/tau_prob"] for x in g.evals],
                 [x.get("eval/tau_prob_low95") for x in g.evals],
@@ -268,34 +282,34 @@ def _plots(out: epath.Path, groups: list[_Group]) -> None:
             )
             for g in groups
         },
-        xlabel="step (cumulative for runs started from a checkpoint)",
-        ylabel="eval tau_prob (band: 95% over validation samples)",
-        title="Validation tau_prob per group",
-    )
-    block = _block_size(groups)
-    plots.lines(
-        out / "accept_rate.png",
-        {
-            _label(g.name): (
-                list(range(block)),
-                [g.final.get(f"eval/accept_rate_{i}", 0.0) for i in range(block)],
-            )
+        "accept_rate.png": {
+            label(g): (list(range(block)), [g.final.get(f"eval/accept_rate_{i}", 0.0) for i in range(block)])
             for g in groups
         },
+        "accepted_length.png": histograms,
+    }
+
+
+def _plots(out: epath.Path, groups: list[_Group], picked: set[str]) -> None:
+    series = plot_series(groups, picked)
+    mark = f"; {comparisons.PICKED}: on the prefixes the row picks itself" if picked else ""
+    plots.lines(
+        out / "tau_prob.png",
+        series["tau_prob.png"],
+        xlabel="step (cumulative for runs started from a checkpoint)",
+        ylabel="eval tau_prob (band: 95% over validation samples)",
+        title="Validation tau_prob per group" + mark,
+    )
+    plots.lines(
+        out / "accept_rate.png",
+        series["accept_rate.png"],
         xlabel="proposal position i",
         ylabel="eval accept_rate_i",
-        title="Teacher-forced acceptance by position (final evaluation)",
+        title="Teacher-forced acceptance by position (final evaluation)" + mark,
     )
-    histograms = {}
-    for g in groups:
-        r = g.speculative(0.0)
-        if r:
-            h = r["speculative"]["accepted_length_histogram"]
-            total = max(sum(h.values()), 1)
-            histograms[_label(g.name)] = {k: v / total for k, v in h.items()}
     plots.grouped_bars(
         out / "accepted_length.png",
-        histograms,
+        series["accepted_length.png"],
         xlabel="tokens accepted per cycle (greedy; the fixed schedule where it ran)",
         ylabel="share of cycles",
         title="Accepted length per cycle",
@@ -325,15 +339,15 @@ def _tensorboard(root: epath.Path, groups: list[_Group]) -> None:
             writer.write(step, values)
 
 
-def _seeds_section(rows, found) -> list[str]:
-    table = comparisons.seeds_table(rows, found)
+def _seeds_section(found: list[comparisons.Entry], gained: list[comparisons.Gain]) -> list[str]:
+    table = comparisons.seeds_table(found, gained)
     if not table:
         return []
     return [
         "## Across training seeds",
         "",
         "Rows trained with several `train.seed`s (`--seeds`; the same caches, target and validation batches):"
-        " the spread of each figure across seeds, next to the within-run intervals above.",
+        " each seed's figure, their mean, spread and range (the intervals above include this spread).",
         "",
         *table,
         "",
@@ -352,13 +366,14 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
     seeded = plan.with_seeds(plan.suites()[record["suite"]], record["protocol"].get("seeds", 1))
     suite_groups = [g for g in seeded if g.name in record["groups"]]
     _LABELS.update({g.name: g.label for g in suite_groups})
-    rows = comparisons.load_rows(data, suite_groups, record["groups"])
-    found = comparisons.gains(rows, suite_groups)
+    found = comparisons.entries(comparisons.load_rows(data, suite_groups, record["groups"]))
+    gained = comparisons.gains(found, suite_groups)
     picker = next((e for e in map(registry.find, record["groups"]) if e and e.prefixes), None)
     same_note = "none here."
     if picker:
         same_note = f"{picker.display_name}'s final checkpoint picks them. {picker.prefixes_note}"
-    _plots(out, groups)
+    picked = {r.group.name for e in found for r in e.runs if not r.own_blocks_are_uniform}
+    _plots(out, groups, picked)
     _tensorboard(root, groups)
     block = _block_size(groups)
     protocol, env = record["protocol"], record.get("environment", {})
@@ -376,29 +391,32 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
         "Each group's row of the seed's group table (from the registry, `Experiment.design`) and the"
         " answer its paired gains below give at this budget:",
         "",
-        *comparisons.design_table(rows, suite_groups, found, params),
+        *comparisons.design_table(suite_groups, gained, params),
         "",
         "## Figures with 95% intervals",
         "",
         "Each row's final checkpoint on the validation cache (`data/<row>/evaluation.json` and `.npz`, the"
         " sums per validation sample). *Own blocks* are each group's own anchors: the uniformly drawn ones,"
-        " or, marked (a'), the prefixes a group picks itself. *Same prefixes* are one group's picks measured"
-        f" for every row: {same_note}"
+        f" or, marked {comparisons.PICKED}, the prefixes a group picks itself (its stage-2 anchors). *Same"
+        f" prefixes* are one group's picks measured for every row: {same_note}"
         f" Intervals: {intervals.LEVEL:.0%}, bootstrap over validation samples (BCa, {intervals.RESAMPLES}"
-        " resamples); MAL over requests, tokens/s over decoding batches.",
+        " resamples), MAL over requests; a row trained with several seeds shows the seeds' mean, its"
+        " interval widened by the spread between seeds (the t half-width of their mean, added in"
+        " quadrature).",
         "",
-        *comparisons.figures_table(rows),
+        *comparisons.figures_table(found),
         "",
         "## Gains over the same-budget reference",
         "",
         "Paired differences (the same validation samples, the same prefixes, the same requests in each"
-        " resample); **bold** where the interval excludes zero, i.e. the difference is told apart from noise"
-        " at this budget. Each row is compared with the reference row of its own cumulative step; a row that"
-        " starts from a checkpoint also with that checkpoint's row.",
+        " resample; seed k against seed k, the spread between seeds included as above); **bold** where the"
+        " interval excludes zero, i.e. the difference is told apart from noise at this budget. Each row is"
+        " compared with the reference row of its own cumulative step; a row that starts from a checkpoint"
+        " also with that checkpoint's row.",
         "",
-        *comparisons.gains_table(found),
+        *comparisons.gains_table(gained),
         "",
-        *_seeds_section(rows, found),
+        *_seeds_section(found, gained),
         "## Results",
         "",
         "Offline metrics are the final evaluation on the validation cache (`data/<group>/metrics.jsonl`);"
@@ -408,7 +426,7 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
         " are draft parameters beyond the baseline's (`data/params.json`). The columns after it are"
         " particular groups' own `eval/` metrics." + _notes(groups),
         "",
-        *_results_table(groups, params, block),
+        *_results_table(groups, params, block, picked),
         "",
         "![tau_prob](tau_prob.png)",
         "",

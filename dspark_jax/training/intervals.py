@@ -6,6 +6,8 @@ overlap / predictions at position i, MAL = accepted tokens / cycles), so an inte
 replacement and recomputes the ratio (`scipy.stats.bootstrap`, bias-corrected and accelerated). Two drafts
 measured on the same units (the same validation samples, the same prefixes) are compared by their paired
 difference: each resample takes the same units for both, which removes the between-sample spread they share.
+A row trained with several seeds is one figure, the seeds' mean, whose interval also covers the spread
+between seeds (`seeds_ratio`, `seeds_difference`): a single run's interval over samples misses it.
 """
 
 from __future__ import annotations
@@ -109,6 +111,53 @@ def paired_difference(num_a_K, den_a_K, num_b_K, den_b_K, *, seed: int = 0) -> I
         return _ratio(na, da, axis) - _ratio(nb, db, axis)
 
     return _bootstrap((num_a_K, den_a_K, num_b_K, den_b_K), difference, seed)
+
+
+def _seed_half_width(per_seed_S: np.ndarray) -> float:
+    """The t half-width at `LEVEL` of the mean of `S` per-seed estimates (0 for one seed)."""
+    s = len(per_seed_S)
+    if s < 2:
+        return 0.0
+    return float(stats.t.ppf(0.5 + LEVEL / 2, s - 1) * np.std(per_seed_S, ddof=1) / np.sqrt(s))
+
+
+def _over_seeds(arrays_SxK: tuple[np.ndarray, ...], statistic: Callable, seed: int) -> Interval:
+    """The mean over `S` training seeds of `statistic` over the same `K` units each, with an interval that
+    covers both sources of variation: the units' sampling (the seeds' mean resampled over units, the same
+    units for every seed, BCa) and the seed-to-seed spread (the t half-width of the per-seed estimates'
+    mean), combined in quadrature on each side. One seed: `_bootstrap`'s interval, unchanged."""
+    arrays_SxK = tuple(np.atleast_2d(np.asarray(a, np.float64)) for a in arrays_SxK)
+    seeds = len(arrays_SxK[0])
+    if any(len(a) != seeds for a in arrays_SxK):
+        raise ValueError(f"every array needs the same seeds, got {[len(a) for a in arrays_SxK]}")
+    per_seed_S = np.asarray([statistic(*(a[s] for a in arrays_SxK), axis=-1) for s in range(seeds)])
+    flat = tuple(a[s] for s in range(seeds) for a in arrays_SxK)  # seed-major, as `mean` unpacks them
+    n = len(arrays_SxK)
+
+    def mean(*units, axis=-1):
+        return np.mean([statistic(*units[s * n : (s + 1) * n], axis=axis) for s in range(seeds)], axis=0)
+
+    sample = _bootstrap(flat, mean, seed)
+    t, est = _seed_half_width(per_seed_S), sample.estimate
+    return Interval(
+        est, est - float(np.hypot(est - sample.low, t)), est + float(np.hypot(sample.high - est, t))
+    )
+
+
+def seeds_ratio(num_SxK: np.ndarray, den_SxK: np.ndarray, *, seed: int = 0) -> Interval:
+    """The mean over training seeds of `sum(num) / sum(den)` over the same `K` units (`[S, K]`; `[K]` for
+    one seed), its interval covering the units' sampling and the seed-to-seed spread (`_over_seeds`)."""
+    return _over_seeds((num_SxK, den_SxK), _ratio, seed)
+
+
+def seeds_difference(num_a_SxK, den_a_SxK, num_b_SxK, den_b_SxK, *, seed: int = 0) -> Interval:
+    """The mean over training seeds of `ratio(a) - ratio(b)`, seed `s` of `a` paired with seed `s` of `b`
+    over the same units; the interval as `seeds_ratio`'s (over the per-seed paired differences)."""
+
+    def difference(na, da, nb, db, axis=-1):
+        return _ratio(na, da, axis) - _ratio(nb, db, axis)
+
+    return _over_seeds((num_a_SxK, den_a_SxK, num_b_SxK, den_b_SxK), difference, seed)
 
 
 def metric_parts(sums: SampleSums) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dspark_jax.run import checkpoints
-from dspark_jax.suite import plan, report
+from dspark_jax.suite import comparisons, plan, report
 from dspark_jax.suite.runner import setting_name
 from tests.suite.test_report import report_of
 
@@ -67,7 +67,8 @@ def test_seed_suite_on_smoke_writes_the_table_and_plots_and_skips_finished_group
         for line in results.splitlines()
         if line.startswith("| ") and not line.startswith(("| group", "| ---"))
     ]
-    assert [row.split(" | ")[0][2:] for row in rows] == [g.label for g in groups]
+    labels = [row.split(" | ")[0][2:] for row in rows]  # Draft Memory's figures are on its picked prefixes
+    assert labels == [g.label + (f" {comparisons.PICKED}" if g.name == "memory" else "") for g in groups]
     for name in (*report.PLOTS, *(f"calibration_{g.name}.png" for g in groups)):
         assert (out / name).stat().st_size > 1000, name
         assert f"({name})" in text
@@ -145,17 +146,18 @@ def _check_comparisons(text, data, groups):
     figures = {r[0][2:]: r for r in _section(text, "Figures with 95% intervals")}
     assert set(figures) == {g.label for g in groups}
     for g in groups:
-        estimate, low, high = _interval(figures[g.label][2])
+        assert figures[g.label][2] == "1"  # seeds
+        estimate, low, high = _interval(figures[g.label][3])
         assert estimate == pytest.approx(evaluation[g.name]["own"]["tau_prob"], abs=1e-4)
         assert low <= estimate <= high
         same_prefixes = evaluation[g.name]["same_prefixes"]["metrics"]["tau_prob"]
-        assert _interval(figures[g.label][3])[0] == pytest.approx(same_prefixes, abs=1e-4)
+        assert _interval(figures[g.label][4])[0] == pytest.approx(same_prefixes, abs=1e-4)
 
     gains = {(r[0][2:], r[2]): r for r in _section(text, "Gains over the same-budget reference")}
     start = gains[("Prefix reranker frozen", "Baseline step 3 (its starting checkpoint)")]
     budget = gains[("Prefix reranker frozen", f"{same.label} step 6 (same budget)")]
     for row, against in ((start, "baseline"), (budget, same.name)):
         want = evaluation["reranker_frozen"]["own"]["tau_prob"] - evaluation[against]["own"]["tau_prob"]
-        assert _interval(row[3])[0] == pytest.approx(want, abs=1e-4)
+        assert row[3] == "1" and _interval(row[4])[0] == pytest.approx(want, abs=1e-4)
     memory = gains[("Draft Memory", "Baseline step 3 (same budget)")]
-    assert memory[3] == "-" and "[" in memory[4]  # own blocks: other prefixes
+    assert memory[4] == "-" and "[" in memory[5]  # own blocks: other prefixes

@@ -85,3 +85,46 @@ def test_the_wilson_interval_of_a_bin_matches_its_closed_form_values():
     low, high = intervals.wilson(np.array([0.0, 0.5, 1.0]), np.array([10, 100, 3]))
     np.testing.assert_allclose(low, [0.0, 0.4038, 0.4385], atol=1e-4)
     np.testing.assert_allclose(high, [0.2775, 0.5962, 1.0], atol=1e-4)
+
+
+def _seeded_runs():
+    """Three training seeds of a draft and of its reference on the same 256 validation samples: per-seed
+    offsets shared by both (-0.15 .. +0.2 tau_prob), the draft's paired gains +0.04, -0.03, +0.05, and
+    sample noise far smaller than either (as `[S, K]` numerators and denominators)."""
+    rng = np.random.default_rng(0)
+    base_K, blocks_K = rng.uniform(1.5, 2.5, 256), rng.integers(5, 15, 256).astype(float)
+    offsets, gains = [0.0, 0.2, -0.15], [0.04, -0.03, 0.05]
+    run = lambda shift: (base_K + shift + rng.normal(0, 0.01, 256)) * blocks_K
+    ours = np.stack([run(o + g) for o, g in zip(offsets, gains)])
+    theirs = np.stack([run(o) for o in offsets])
+    return ours, theirs, np.tile(blocks_K, (3, 1)), gains
+
+
+def test_an_interval_over_seeds_covers_their_spread_where_one_over_samples_does_not():
+    ours, theirs, den, gains = _seeded_runs()
+    per_seed = [intervals.ratio(ours[s], den[s]).estimate for s in range(3)]
+    samples_only = intervals.ratio(ours.reshape(-1), den.reshape(-1))  # the seeds' samples pooled
+    assert not all(samples_only.low <= x <= samples_only.high for x in per_seed)
+    both = intervals.seeds_ratio(ours, den)
+    assert both.estimate == pytest.approx(np.mean(per_seed))
+    assert all(both.low <= x <= both.high for x in per_seed)
+
+    # The paired gain: every run alone, and the samples pooled, tell it apart from noise; with the spread
+    # between seeds it is not told apart (the mark the report's tables print follows this interval).
+    runs = [intervals.paired_difference(ours[s], den[s], theirs[s], den[s]) for s in range(3)]
+    assert all(x.excludes_zero for x in runs)
+    pooled = intervals.paired_difference(
+        ours.reshape(-1), den.reshape(-1), theirs.reshape(-1), den.reshape(-1)
+    )
+    assert pooled.excludes_zero
+    gain = intervals.seeds_difference(ours, den, theirs, den)
+    assert gain.estimate == pytest.approx(np.mean(gains), abs=0.003)
+    assert not gain.excludes_zero and all(gain.low <= x.estimate <= gain.high for x in runs)
+
+
+def test_one_seed_gets_the_interval_over_samples_unchanged():
+    ours, theirs, den, _ = _seeded_runs()
+    assert intervals.seeds_ratio(ours[:1], den[:1]) == intervals.ratio(ours[0], den[0])
+    assert intervals.seeds_difference(ours[0], den[0], theirs[0], den[0]) == intervals.paired_difference(
+        ours[0], den[0], theirs[0], den[0]
+    )

@@ -70,8 +70,9 @@ def test_sample_sums_add_up_to_the_metrics_and_split_packed_samples():
 
 
 def test_a_rerankers_sample_sums_count_its_own_reranked_tau():
-    """The prefix reranker's tau_prob is the reranked distribution's: its per-sample sums add up to that
-    figure, not to the pre-rerank one (which differs once the reranker's weights are random)."""
+    """The prefix reranker's tau_prob and accept_rate_i (what the report's tables and plot read) are the
+    reranked distribution's: its per-sample sums add up to those figures, not to the pre-rerank ones
+    (which differ once the reranker's weights are random)."""
     model, _, frozen, batch, *_ = _reranker_setup(5, k=8)
     sums, records = evaluation_with_records(groups.get("reranker_joint"), model, frozen, batch)
     metrics = groups.get("reranker_joint").metrics(sums)
@@ -82,8 +83,10 @@ def test_a_rerankers_sample_sums_count_its_own_reranked_tau():
     assert abs(float(metrics["tau_prob"]) - float(metrics["pre_rerank_tau_prob"])) > 1e-3
     np.testing.assert_allclose(per.tau_K.sum() / per.blocks_K.sum(), float(metrics["tau_prob"]), rtol=1e-6)
     rates = per.accept_KxS.sum(0) / per.accept_count_KxS.sum(0)
-    want = [float(metrics[f"rerank_accept_rate_{i}"]) for i in range(7)]
+    want = [float(metrics[f"accept_rate_{i}"]) for i in range(7)]
     np.testing.assert_allclose(rates, want, rtol=1e-5, atol=1e-7)
+    before = [float(metrics[f"pre_rerank_accept_rate_{i}"]) for i in range(7)]
+    assert np.abs(np.asarray(before) - want).max() > 1e-3
 
 
 def test_prefixes_from_a_group_that_picks_none_or_from_other_batches_are_refused():

@@ -10,7 +10,8 @@ outside the candidates; the teacher keeps its full-vocabulary `p`) and `pre_rera
 full-vocabulary DSpark distribution, `rerank_tau_gain` (their difference), `rerank_target_agreement_gain`
 (share of valid predictions whose greedy choice is `v*`, after minus before), `reranker/candidate_recall`
 (share with `v*` in `C_i`), `rerank_teacher_forced_prefix_gain` (per valid block, the leading predictions
-whose greedy choice equals the recorded token, after minus before), `rank_loss`, `rerank_accept_rate_i`.
+whose greedy choice equals the recorded token, after minus before), `rank_loss`; `accept_rate_i` are the
+reranked choice's (the figure `tau_prob` counts), `pre_rerank_accept_rate_i` DSpark's.
 
 Model pieces and formulas: `dspark_jax.groups.reranker.model`.
 """
@@ -102,7 +103,8 @@ def reranker_sums(
 
 
 def reranker_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
-    """The baseline metrics with `tau_prob` of the reranked distribution, plus the rerank metrics."""
+    """The baseline metrics with `tau_prob` and `accept_rate_i` of the reranked distribution (DSpark's as
+    `pre_rerank_*`), plus the rerank metrics."""
     div = objective.safe_div
     base = objective.metrics_from_sums(sums)
     tau = div(sums["rerank_tau"], sums["blocks"])
@@ -123,7 +125,8 @@ def reranker_metrics(sums: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
             ),
             "rank_loss": div(sums["rank"], sums["rank_weight"]),
         }
-        | {f"rerank_accept_rate_{i}": accept_S[i] for i in range(accept_S.shape[0])}
+        | {f"pre_rerank_accept_rate_{i}": base[f"accept_rate_{i}"] for i in range(accept_S.shape[0])}
+        | {f"accept_rate_{i}": accept_S[i] for i in range(accept_S.shape[0])}
     )
 
 

@@ -83,4 +83,4 @@ def test_a_smoke_run_trains_on_the_hybrid_cache(checkpoint, cache, tmp_path):
     last = train(config, tmp_path)
     summary = json.loads((tmp_path / SUMMARY_FILE).read_text())
     assert np.isfinite(last["train/loss"]) and np.isfinite(last["eval/loss"]), last
-    assert summary["steps_computed"] == 6 and summary["final_eval"]["tau_prob"] >= 1, summary
+    assert summary["steps_computed"] == 6, summary

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy.stats import chisquare
+from scipy.stats import chi2, chisquare
 
 from dspark_jax.inference.acceptance import accept_greedy, accept_sampling, sampling_probabilities
 from dspark_jax.target.generate import SamplingParams, sample
@@ -82,11 +82,60 @@ def biased_at_position_3(draft_BxS, draft_logits_BxSxV, target_logits_BxS1xV, rn
     return jnp.where(flip_B, 4, num_B), jnp.where(flip_B, bonus_B, next_B)
 
 
+def residual_biased_from_position_3(
+    draft_BxS, draft_logits_BxSxV, target_logits_BxS1xV, rng, params, lengths_B=None
+):
+    """A deliberately defective rule for power checks: `accept_sampling`, except that a rejection at draft
+    position 3 or later draws the next token from `p_i` instead of the residual `max(0, p_i - q_i)`."""
+    num_B, next_B = accept_sampling(
+        draft_BxS, draft_logits_BxSxV, target_logits_BxS1xV, rng, params, lengths_B
+    )
+    cap_B = jnp.full_like(num_B, draft_BxS.shape[1]) if lengths_B is None else lengths_B
+    rejected_B = (num_B >= 3) & (num_B < cap_B)
+    at_B = jnp.minimum(num_B, target_logits_BxS1xV.shape[1] - 1)
+    wrong_B = sample(
+        target_logits_BxS1xV[jnp.arange(num_B.shape[0]), at_B], jax.random.fold_in(rng, 97), params
+    )
+    return num_B, jnp.where(rejected_B, wrong_B, next_B)
+
+
+def summed_chi_square_p(draws) -> float:
+    """The p-value of the chi-square statistics of several goodness-of-fit tests summed (their degrees of
+    freedom too): `draws` yields `(tokens, probabilities [V])` pairs; pairs of fewer than 50 tokens skipped;
+    0 where a token outside a distribution's support was drawn."""
+    stat, dof = 0.0, 0
+    for tokens, probs in draws:
+        if tokens.size < 50:
+            continue
+        probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
+        counts = np.bincount(tokens, minlength=probs.size)
+        if counts[probs == 0].any():  # a token the distribution cannot emit: no fit at all
+            return 0.0
+        live = probs > 0
+        expected = probs[live] * tokens.size
+        stat += float((((counts[live] - expected) ** 2) / expected).sum())
+        dof += int(live.sum()) - 1
+    return float(chi2.sf(stat, dof)) if dof else 1.0
+
+
+def per_position_pvalues(streams_RxN: np.ndarray, conditional) -> list[float]:
+    """For each position `j` of `N` sampled tokens per row, the p-value of token `j` given its row's
+    `j`-token prefix against `conditional(prefix) -> probabilities [V]`, over every prefix seen (a test per
+    position: a bias at one position is not diluted over the `V ** N` joint cells)."""
+    out = []
+    for j in range(streams_RxN.shape[1]):
+        prefixes, inverse = np.unique(streams_RxN[:, :j], axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        draws = ((streams_RxN[inverse == i, j], conditional(tuple(x))) for i, x in enumerate(prefixes))
+        out.append(summed_chi_square_p(draws))
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("params", "s", "accept", "capped"))
 def _cycle(anchor_B, rng, target_VxV, draft_VxV, params, s=S, accept=accept_sampling, capped=False):
     """One cycle per row: sample `s` drafts sequentially from the Markov draft, then accept; `capped`
     verifies a random number `0..s` of them per row (a prefix scheduler's cap, chosen before the verdicts).
-    Returns the accepted counts and the `s + 1` emitted slots (-1 past the emitted ones)."""
+    Returns the accepted counts, the `s + 1` emitted slots (-1 past the emitted ones) and the caps."""
     draft_rng, accept_rng, cap_rng = jax.random.split(rng, 3)
     tokens, draft_logits = [anchor_B], []
     for i in range(s):
@@ -101,7 +150,7 @@ def _cycle(anchor_B, rng, target_VxV, draft_VxV, params, s=S, accept=accept_samp
     drafts_BxS1 = jnp.pad(seq_BxS1[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
     last_BxS1 = jnp.where(position_S1 == num_B[:, None], next_B[:, None], -1)
     emitted_BxS1 = jnp.where(position_S1 < num_B[:, None], drafts_BxS1, last_BxS1)
-    return num_B, emitted_BxS1
+    return num_B, emitted_BxS1, jnp.full_like(num_B, s) if lengths_B is None else lengths_B
 
 
 def chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
@@ -139,12 +188,13 @@ def _markov_pair(seed=1, identical=False, v=V_JOINT):
 
 def _speculated_stream(target_VxV, draft_VxV, params, n, accept=accept_sampling, capped=False):
     """The first `n` tokens after the anchor, `[B_JOINT, n]`, by speculative cycles from each row's last
-    token (the first cycle alone emits up to S + 1 = n of them); and the first cycle's accepted counts."""
+    token (the first cycle alone emits up to S + 1 = n of them); and the first cycle's accepted counts and
+    verification caps."""
     stream = np.full((B_JOINT, n + S_JOINT + 1), -1)
     count, last = np.zeros(B_JOINT, int), jnp.full((B_JOINT,), ANCHOR)
-    rows, first_num = np.arange(B_JOINT), None
+    rows, first = np.arange(B_JOINT), None
     for c in range(n):
-        num, emitted = _cycle(
+        num, emitted, lengths = _cycle(
             last,
             jax.random.key(c),
             jnp.asarray(target_VxV),
@@ -155,25 +205,37 @@ def _speculated_stream(target_VxV, draft_VxV, params, n, accept=accept_sampling,
             capped,
         )
         num, emitted = np.asarray(num), np.asarray(emitted)
-        first_num = num if first_num is None else first_num
+        first = (num, np.asarray(lengths)) if first is None else first
         for k in range(S_JOINT + 1):
             write = (k <= num) & (count + k < stream.shape[1])
             stream[rows[write], (count + k)[write]] = emitted[write, k]
         count += num + 1
         last = jnp.asarray(emitted[rows, num])
-    return stream[:, :n], first_num
+    return stream[:, :n], *first
 
 
 def _joint_pvalue(target_VxV, draft_VxV, params, accept=accept_sampling, capped=False):
     """Chi-square p-value of the joint distribution of the S + 1 tokens after the anchor against the Markov
-    target's, `p(x_1..x_5) = prod p(x_k | x_{k-1})`; and the first cycle's accepted counts."""
+    target's, `p(x_1..x_5) = prod p(x_k | x_{k-1})`; the per-position p-values (`per_position_pvalues`,
+    then the residual draw at each draft position); and the first cycle's accepted counts."""
     n = S_JOINT + 1
-    stream, num = _speculated_stream(target_VxV, draft_VxV, params, n, accept, capped)
+    stream, num, caps = _speculated_stream(target_VxV, draft_VxV, params, n, accept, capped)
     p_VxV = _nucleus_probs(target_VxV, params)  # row: previous token
     joint = p_VxV[ANCHOR]  # over x_1; each step appends x_k as the least significant digit
     for _ in range(n - 1):
         joint = (joint[:, None] * p_VxV[np.arange(joint.size) % V_JOINT]).ravel()
-    return chi_square_p(joint_cells(stream, V_JOINT), joint), num
+    positions = per_position_pvalues(stream, lambda prefix: p_VxV[(ANCHOR, *prefix)[-1]])
+    # The first cycle's draw after a rejection at draft position k (k < its cap), given the token before it,
+    # against the residual `max(0, p - q)` (`p` where that has no mass).
+    q_VxV = _nucleus_probs(draft_VxV, params)
+    residual_VxV = np.maximum(p_VxV - q_VxV, 0.0)
+    residual_VxV = np.where(residual_VxV.sum(-1, keepdims=True) > 0, residual_VxV, p_VxV)
+    previous = np.concatenate([np.full((B_JOINT, 1), ANCHOR), stream[:, :-1]], axis=1)
+    for k in range(S_JOINT):
+        rows = (num == k) & (k < caps)
+        draws = ((stream[rows & (previous[:, k] == t), k], residual_VxV[t]) for t in range(V_JOINT))
+        positions.append(summed_chi_square_p(draws))
+    return chi_square_p(joint_cells(stream, V_JOINT), joint), positions, num
 
 
 @pytest.mark.parametrize("capped", [False, True], ids=["all_verified", "capped"])
@@ -183,11 +245,12 @@ def test_sampling_is_lossless_jointly_over_a_whole_cycle(case, capped):
     path, the residual draws and the bonus draw, and with a per-row verification cap the bonus at the cap."""
     params, identical = CASES[case]
     target_VxV, draft_VxV = _markov_pair(identical=identical)
-    p_value, num = _joint_pvalue(target_VxV, draft_VxV, params, capped=capped)
+    p_value, positions, num = _joint_pvalue(target_VxV, draft_VxV, params, capped=capped)
     print(
-        f"{case} capped={capped}: joint chi-square p={p_value:.4f}, accepted {np.bincount(num, minlength=5)}"
+        f"{case} capped={capped}: joint chi-square p={p_value:.4f}, per position {np.round(positions, 4)}, "
+        f"accepted {np.bincount(num, minlength=5)}"
     )
-    assert p_value > P_MIN
+    assert p_value > P_MIN and min(positions) > P_MIN / len(positions)
     if identical and not capped:
         assert (num == S_JOINT).mean() > 0.999
     else:
@@ -201,13 +264,19 @@ def test_sampling_is_lossless_jointly_over_a_whole_cycle(case, capped):
         assert abs((num >= 1).mean() - accept_rate) < bound
 
 
+@pytest.mark.parametrize(
+    "rule", [biased_at_position_3, residual_biased_from_position_3], ids=lambda f: f.__name__
+)
 @pytest.mark.parametrize("capped", [False, True], ids=["all_verified", "capped"])
-def test_the_joint_test_rejects_a_rule_biased_at_position_3(capped):
-    """Power check of the test above: the same statistic on the same draws flags a rule that accepts a
-    rejected fourth draft half of the time."""
+def test_the_sampling_tests_reject_a_rule_biased_from_position_3(capped, rule):
+    """Power check of the tests above: the same statistics on the same draws flag a rule that accepts a
+    rejected fourth draft half of the time (the joint test), and one that draws the token after a
+    rejection at draft position 3 or later from `p_i` instead of the residual (the per-position tests: with
+    per-row caps, few rows reach a rejection at position 3, and only the residual's own test sees it)."""
     target_VxV, draft_VxV = _markov_pair()
-    p_value, _ = _joint_pvalue(target_VxV, draft_VxV, SamplingParams(1.0), biased_at_position_3, capped)
-    assert p_value < 1e-6, p_value
+    p_value, positions, _ = _joint_pvalue(target_VxV, draft_VxV, SamplingParams(1.0), rule, capped)
+    print(f"{rule.__name__} capped={capped}: joint p={p_value:.2e}, per position {positions}")
+    assert min(p_value, *positions) < 1e-6, (p_value, positions)
 
 
 def test_draft_token_outside_target_nucleus_is_always_rejected():

@@ -8,6 +8,7 @@ token of a cycle, on a three-token vocabulary, with a power check on a biased ac
 """
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -32,7 +33,13 @@ from dspark_jax.target.config import TargetConfig
 from dspark_jax.target.generate import Generator, SamplingParams
 from dspark_jax.target.model import DecodeCache, Transformer
 from tests import rules
-from tests.inference.test_acceptance import biased_at_position_3, chi_square_p, joint_cells
+from tests.inference.test_acceptance import (
+    biased_at_position_3,
+    chi_square_p,
+    joint_cells,
+    per_position_pvalues,
+    residual_biased_from_position_3,
+)
 from tests.marks import tiered
 
 V, H, EOS, AUX = 48, 32, 3, (0, 1)
@@ -528,9 +535,21 @@ def _target_joint(target, prompt, n):
     return (prefix_R[:, None] * p_RxKxV[:, n - 1]).ravel()
 
 
+def _target_conditional(target, prompt):
+    """`conditional(prefix) -> p(next token | prompt + prefix) [V]` of the target."""
+
+    @functools.cache
+    def conditional(prefix):
+        ids = jnp.asarray([[*prompt, *prefix]])
+        return np.asarray(jax.nn.softmax(target.logits(target(ids).hidden_BxTxH[:, -1])), np.float64)[0]
+
+    return conditional
+
+
 def _joint_sampling_pvalue(parts3, mesh, group, schedule, **kw):
     """Speculative sampling of `ROWS3` rows of `PROMPT3`: the chi-square p-value of their first `N3` tokens
-    against the target's joint distribution, and the decoder's report (`kw`: more decoder options)."""
+    against the target's joint distribution, the per-position p-values (`per_position_pvalues`), and the
+    decoder's report (`kw`: more decoder options)."""
     group_parts, draft, proposer = _group(parts3, mesh, group, DRAFT3, candidates=2)
     settings = _scheduled(S3) if schedule == "confidence" else {}
     decoder = _decoder(
@@ -540,8 +559,13 @@ def _joint_sampling_pvalue(parts3, mesh, group, schedule, **kw):
         n = np.arange(1, ROWS3 * (S3 + 1) + 1)
         decoder.sps_table = scheduler.SpsTable(ROWS3, 0, tuple(n), tuple(1.0 / (n + 8 * ROWS3)))
     outs = decoder.generate([PROMPT3] * ROWS3, max_new_tokens=N3, params=SamplingParams(1.0), seed=3)
-    cells = joint_cells(np.asarray(outs), V3)
-    return chi_square_p(cells, _target_joint(parts3[0], PROMPT3, N3)), decoder.report.as_dict()
+    outs = np.asarray(outs)
+    joint = chi_square_p(joint_cells(outs, V3), _target_joint(parts3[0], PROMPT3, N3))
+    return (
+        joint,
+        per_position_pvalues(outs, _target_conditional(parts3[0], PROMPT3)),
+        decoder.report.as_dict(),
+    )
 
 
 @pytest.mark.parametrize(
@@ -558,10 +582,12 @@ def test_sampling_is_lossless_jointly_over_a_whole_cycle(parts3, mesh1, group, s
     later ones read, with Draft Memory, the memory of the cycle before), follow the target's distribution:
     every accepted length, residual and bonus draw, under each proposer (the reranker samples from 2 of
     3 candidates) and the prefix scheduler's per-row verification cap."""
-    p_value, report = _joint_sampling_pvalue(parts3, mesh1, group, schedule)
+    p_value, positions, report = _joint_sampling_pvalue(parts3, mesh1, group, schedule)
     hist = report["accepted_length_histogram"]
-    print(f"{group}/{schedule}: joint p={p_value:.4f}, accepted lengths {hist}")
-    assert p_value > 1e-3
+    print(
+        f"{group}/{schedule}: joint p={p_value:.4f}, per position {np.round(positions, 4)}, accepted {hist}"
+    )
+    assert p_value > 1e-3 and min(positions) > 1e-3 / N3
     assert all(hist[str(n)] >= 100 for n in range(1, S3 + 2)), hist  # every accepted length is sampled
     if schedule == "confidence":
         assert 0 < report["mean_verified_length"] < S3
@@ -579,20 +605,25 @@ def test_sampling_is_lossless_jointly_over_a_whole_cycle(parts3, mesh1, group, s
 def test_sampling_on_a_hybrid_moe_target_is_lossless_jointly(hybrid_parts3, mesh1, group, schedule):
     """The joint test on a Qwen3-Next-shaped target: each row's linear-attention states are kept after its
     own accepted prefix, whatever was sampled (every accepted length occurs)."""
-    p_value, report = _joint_sampling_pvalue(hybrid_parts3, mesh1, group, schedule)
+    p_value, positions, report = _joint_sampling_pvalue(hybrid_parts3, mesh1, group, schedule)
     hist = report["accepted_length_histogram"]
-    print(f"hybrid {group}/{schedule}: joint p={p_value:.4f}, accepted lengths {hist}")
-    assert p_value > 1e-3
+    print(f"hybrid {group}/{schedule}: joint p={p_value:.4f}, per position {np.round(positions, 4)}, {hist}")
+    assert p_value > 1e-3 and min(positions) > 1e-3 / N3
     assert all(hist[str(n)] >= 100 for n in range(1, S3 + 2)), hist
 
 
-def test_the_joint_sampling_test_rejects_an_acceptance_rule_biased_at_position_3(parts3, mesh1, monkeypatch):
-    """Power check of the test above: the engine with a rule that accepts a rejected fourth draft half of
-    the time fails it."""
-    monkeypatch.setattr(engine, "accept_sampling", biased_at_position_3)
-    p_value, _ = _joint_sampling_pvalue(parts3, mesh1, "baseline", "fixed")
-    print(f"biased rule: joint p={p_value:.2e}")
-    assert p_value < 1e-6, p_value
+@pytest.mark.parametrize(
+    "rule", [biased_at_position_3, residual_biased_from_position_3], ids=lambda f: f.__name__
+)
+def test_the_sampling_tests_reject_a_rule_biased_from_position_3(parts3, mesh1, monkeypatch, rule):
+    """Power check of the tests above: the engine with a rule that accepts a rejected fourth draft half of
+    the time fails the joint test; one that draws the token after a rejection at draft position 3 or later
+    from the target's distribution instead of the residual fails the per-position test (the joint test's
+    729 cells dilute it: p 0.05-0.9)."""
+    monkeypatch.setattr(engine, "accept_sampling", rule)
+    p_value, positions, _ = _joint_sampling_pvalue(parts3, mesh1, "baseline", "fixed")
+    print(f"{rule.__name__}: joint p={p_value:.2e}, per position {positions}")
+    assert min(p_value, *positions) < 1e-6, (p_value, positions)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -53,7 +53,6 @@ def runs(tmp_path_factory):
 def test_every_group_trains_evaluates_and_decodes_losslessly_over_a_draft_vocabulary(runs, name):
     config, workdir = runs(name)
     summary = json.loads((workdir / SUMMARY_FILE).read_text())
-    assert summary["final_eval"]["tau_prob"] >= 1, summary
     assert checkpoints.run_config(workdir).train.draft_vocab == SIZE  # stored with the run
     offline = evaluate_checkpoint(checkpoints.run_config(workdir), workdir)
     assert offline["tau_prob"] == pytest.approx(summary["final_eval"]["tau_prob"], rel=1e-5)

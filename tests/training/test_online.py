@@ -213,7 +213,6 @@ def test_every_groups_smoke_run_trains_online(online_runs, name):
     summary = json.loads((workdir / SUMMARY_FILE).read_text())
     assert summary["features"]["mode"] == "online", summary
     assert summary["features"]["target_seconds_per_step"] > 0, summary
-    assert summary["final_eval"]["tau_prob"] >= 1, summary
     cache_names = sorted(p.name.split("-")[0] for p in (workdir.parent / "caches").glob("*/*_*"))
     assert "train_tokens" in cache_names and "train_cache" not in cache_names, cache_names
     if name == "baseline":  # `evaluate` of the checkpoint: the stored online config, the target in its step

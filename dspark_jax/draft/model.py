@@ -254,9 +254,8 @@ class MarkovHead(nnx.Module):
     def __init__(self, vocab: int, rank: int, *, rngs: nnx.Rngs, param_dtype: Dtype):
         self.w1 = nnx.Param(normal_init(rngs, (vocab, rank), param_dtype), axes=("vocab", "rank"))
         self.w2 = nnx.Param(normal_init(rngs, (rank, vocab), param_dtype), axes=("rank", "vocab"))
-        self.column_at = nnx.data(
-            None
-        )  # `on_columns`: W2 holds a draft vocabulary's columns; each id's column [V]
+        # `on_columns`: W2 holds a draft vocabulary's columns, `column_at [V]` each id's column.
+        self.column_at = nnx.data(None)
 
     def features(self, predecessors_x: jax.Array) -> jax.Array:
         """`m [..., R]` for predecessor token ids `[...]`."""

@@ -31,9 +31,8 @@ from dspark_jax.training.intervals import Interval, SampleSums
 
 EVALUATION_JSON, EVALUATION_NPZ = "evaluation.json", "evaluation.npz"
 OWN, SAME = "own", "same_prefixes"
-PICKED = (
-    "(a')"  # marks a figure on the prefixes a group picks itself (its stage-2 anchors), not uniform anchors
-)
+# Marks a figure on the prefixes a group picks itself (its stage-2 anchors), not on uniform anchors.
+PICKED = "(a')"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +72,7 @@ def load_rows(data: epath.Path, suite_groups: Sequence[plan.Group], names: Seque
     return rows
 
 
-def base_name(group: plan.Group) -> str:
+def _base_name(group: plan.Group) -> str:
     """The plan row a seed row repeats (`plan.with_seeds`); the row's own name for seed 0."""
     return group.name.removesuffix(f"_seed{group.seed_offset}") if group.seed_offset else group.name
 
@@ -97,18 +96,17 @@ class Entry:
     def own_blocks_are_uniform(self) -> bool:
         return self.runs[0].own_blocks_are_uniform
 
-    @property
-    def label(self) -> str:
-        seeds = len(self.runs)
-        return self.group.label + ("" if seeds == 1 else f" ({seeds} seeds)")
-
     def offsets(self) -> list[int]:
         return [r.group.seed_offset for r in self.runs]
+
+    def _runs(self, offsets: Sequence[int]) -> list[Row]:
+        """The runs of the seeds `offsets`, in that order (fewer where some seed has no run)."""
+        return [r for o in offsets for r in self.runs if r.group.seed_offset == o]
 
     def sums(self, kind: str, metric: str, offsets: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """`(numerator [S, K], denominator [S, K])` of an offline metric over the seeds `offsets` (the same
         validation samples for each); None where a seed lacks that evaluation."""
-        runs = [r for o in offsets for r in self.runs if r.group.seed_offset == o]
+        runs = self._runs(offsets)
         if len(runs) != len(offsets) or any(kind not in r.samples for r in runs):
             return None
         keys = runs[0].samples[kind].keys_Kx3
@@ -120,7 +118,7 @@ class Entry:
     def mal(self, offsets: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """`(tokens [S, R], cycles [S, R])` of the greedy decodes of the seeds `offsets`, the same `R`
         requests each; None where a seed lacks one."""
-        runs = [r for o in offsets for r in self.runs if r.group.seed_offset == o]
+        runs = self._runs(offsets)
         parts = [(_mal_parts(g) if (g := _greedy(r)) else None) for r in runs]
         if len(runs) != len(offsets) or any(p is None for p in parts) or len({len(p[0]) for p in parts}) != 1:
             return None
@@ -131,7 +129,7 @@ def entries(rows: Sequence[Row]) -> list[Entry]:
     """The rows gathered per plan row over their seeds, in suite order."""
     by_base: dict[str, list[Row]] = {}
     for r in rows:
-        by_base.setdefault(base_name(r.group), []).append(r)
+        by_base.setdefault(_base_name(r.group), []).append(r)
     return [Entry(tuple(sorted(runs, key=lambda r: r.group.seed_offset))) for runs in by_base.values()]
 
 

@@ -124,6 +124,11 @@ def _label(name: str) -> str:
     return _LABELS.get(name, name)
 
 
+def _row_label(name: str, picked: set[str]) -> str:
+    """A row's display name, marked where its figures are on the prefixes it picks itself."""
+    return _label(name) + (f" {comparisons.PICKED}" if name in picked else "")
+
+
 def _notes(groups: list[_Group]) -> str:
     """The groups' notes on reading their figures (`Experiment.report_note`), one sentence each."""
     found = (registry.find(g.name) for g in groups)
@@ -202,7 +207,7 @@ def _results_table(
         )
         added = params.get(g.name, {}).get("added")
         cells = [
-            _label(g.name) + (f" {comparisons.PICKED}" if g.name in picked else ""),
+            _row_label(g.name, picked),
             str(f.get("step", "-")),
             _num(f.get("eval/tau_prob"), 4),
             *(_num(f.get(f"eval/accept_rate_{i}")) for i in range(block)),
@@ -261,7 +266,7 @@ def _decoding_table(groups: list[_Group], protocol: Mapping) -> list[str]:
 def plot_series(groups: list[_Group], picked: set[str]) -> dict[str, dict]:
     """Each plot's series by legend label: every row in each plot, a row's acceptance on the prefixes it
     picks itself (`picked`) marked as such, a row without a greedy decode named so with no bars."""
-    label = lambda g: _label(g.name) + (f" {comparisons.PICKED}" if g.name in picked else "")
+    label = lambda g: _row_label(g.name, picked)
     block = _block_size(groups)
     histograms = {}
     for g in groups:

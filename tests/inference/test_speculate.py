@@ -8,7 +8,6 @@ token of a cycle, on a three-token vocabulary, with a power check on a biased ac
 """
 
 import dataclasses
-import functools
 import itertools
 
 import jax
@@ -524,26 +523,30 @@ def hybrid_parts3(mesh1):
     return _parts(dataclasses.replace(HYBRID_TARGET, vocab_size=V3, eos_token_ids=(V3,)), DRAFT3, mesh1)
 
 
-def _target_joint(target, prompt, n):
-    """The target's probability of each of the `V3 ** n` continuations of `prompt` (first token most
-    significant): one forward of every `n - 1`-token continuation gives each position's distribution."""
+def _target_continuations(target, prompt, n):
+    """The target's distribution at each position of every `n - 1`-token continuation of `prompt`, in one
+    forward: `p [V3 ** (n - 1), n, V]` (row `r`: the continuation spelling `r` in base V3, first token most
+    significant; position `k` predicts its token `k + 1`)."""
     heads_RxK = np.array(list(itertools.product(range(V3), repeat=n - 1)))
     ids = jnp.asarray([[*prompt, *head] for head in heads_RxK])
     probs = np.asarray(jax.nn.softmax(target.logits(target(ids).hidden_BxTxH)), np.float64)
-    p_RxKxV = probs[:, len(prompt) - 1 :]  # position k predicts token k + 1 of the continuation
+    return heads_RxK, probs[:, len(prompt) - 1 :]
+
+
+def _target_joint(heads_RxK, p_RxKxV):
+    """The target's probability of each of the `V3 ** n` continuations (first token most significant)."""
+    n = p_RxKxV.shape[1]
     prefix_R = np.prod(np.take_along_axis(p_RxKxV[:, : n - 1], heads_RxK[..., None], axis=2)[..., 0], axis=1)
     return (prefix_R[:, None] * p_RxKxV[:, n - 1]).ravel()
 
 
-def _target_conditional(target, prompt):
-    """`conditional(prefix) -> p(next token | prompt + prefix) [V]` of the target."""
-
-    @functools.cache
-    def conditional(prefix):
-        ids = jnp.asarray([[*prompt, *prefix]])
-        return np.asarray(jax.nn.softmax(target.logits(target(ids).hidden_BxTxH[:, -1])), np.float64)[0]
-
-    return conditional
+def _target_conditional(p_RxKxV):
+    """`conditional(prefix) -> p(next token | prompt + prefix) [V]`: the row of the first continuation
+    that starts with `prefix`."""
+    n = p_RxKxV.shape[1]
+    return lambda prefix: p_RxKxV[
+        int(np.dot(prefix, V3 ** np.arange(n - 2, n - 2 - len(prefix), -1))), len(prefix)
+    ]
 
 
 def _joint_sampling_pvalue(parts3, mesh, group, schedule, **kw):
@@ -560,12 +563,9 @@ def _joint_sampling_pvalue(parts3, mesh, group, schedule, **kw):
         decoder.sps_table = scheduler.SpsTable(ROWS3, 0, tuple(n), tuple(1.0 / (n + 8 * ROWS3)))
     outs = decoder.generate([PROMPT3] * ROWS3, max_new_tokens=N3, params=SamplingParams(1.0), seed=3)
     outs = np.asarray(outs)
-    joint = chi_square_p(joint_cells(outs, V3), _target_joint(parts3[0], PROMPT3, N3))
-    return (
-        joint,
-        per_position_pvalues(outs, _target_conditional(parts3[0], PROMPT3)),
-        decoder.report.as_dict(),
-    )
+    heads_RxK, p_RxKxV = _target_continuations(parts3[0], PROMPT3, N3)
+    joint = chi_square_p(joint_cells(outs, V3), _target_joint(heads_RxK, p_RxKxV))
+    return joint, per_position_pvalues(outs, _target_conditional(p_RxKxV)), decoder.report.as_dict()
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from dspark_jax.inference import vocabulary
 from dspark_jax.inference.timing import cycle_programs
 from dspark_jax.run import target_side
 from dspark_jax.target.generate import GREEDY, Generator
+from tests.inference.test_sampling_joint import _joint_sampling_pvalue, parts3  # noqa: F401
 from tests.inference.test_speculate import (  # noqa: F401
     EOS,
     GROUPS,
@@ -19,9 +20,7 @@ from tests.inference.test_speculate import (  # noqa: F401
     V,
     _decoder,
     _group,
-    _joint_sampling_pvalue,
     parts,
-    parts3,
 )
 from tests.marks import tiered
 
@@ -93,8 +92,8 @@ def test_greedy_with_a_draft_vocabulary_equals_the_target_greedy(parts, mesh1, g
 
 
 def test_sampling_from_a_draft_vocabulary_is_lossless_jointly(parts3, mesh1):  # noqa: F811
-    """The joint test of `test_speculate` with the draft restricted to 2 of the 3 tokens: its distribution
-    is zero on the third, which the target still samples through the residual."""
+    """The joint test of `test_sampling_joint` with the draft restricted to 2 of the 3 tokens: its
+    distribution is zero on the third, which the target still samples through the residual."""
     p_value, positions, report = _joint_sampling_pvalue(
         parts3, mesh1, "baseline", "fixed", draft_vocab=(0, 2)
     )

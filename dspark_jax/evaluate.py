@@ -1,11 +1,35 @@
-"""`python -m dspark_jax.evaluate`: runs the command `dspark_jax.cli.evaluate`."""
+"""Offline (teacher-forced) metrics of a trained draft on the validation cache.
 
-from absl import flags
+  python -m dspark_jax.evaluate --checkpoint=DIR [--config=configs/baseline.py[:preset]] [--output=OUT.json]
 
-from dspark_jax.cli import evaluate
+`--checkpoint` takes a training work directory (its latest checkpoint), a checkpoints
+directory, or one step's directory; the run's stored config is used unless `--config` is
+given (which must agree with it on every key that shapes the draft). Prints (and writes)
+`eval` metrics: tau_prob, accept_rate_0..6, losses, confidence error.
+"""
 
-__doc__ = evaluate.__doc__  # absl's --help prints the main module's docstring and key flags
-flags.adopt_module_key_flags(evaluate)
+from __future__ import annotations
+
+import json
+
+from etils import epath
+
+from dspark_jax.cli import checkpoint_config, define_config_flag, define_path_flag, run
+from dspark_jax.training.evaluation import evaluate_checkpoint
+
+_CONFIG = define_config_flag(default=None)
+_CHECKPOINT = define_path_flag("checkpoint", None, "Work directory or checkpoint directory.", required=True)
+_OUTPUT = define_path_flag("output", None, "Optional JSON output path.")
+
+
+def main(argv):
+    del argv
+    result = evaluate_checkpoint(checkpoint_config(_CONFIG, _CHECKPOINT.value), _CHECKPOINT.value)
+    text = json.dumps(result, indent=2)
+    if _OUTPUT.value:
+        epath.Path(_OUTPUT.value).write_text(text + "\n")
+    print(text)
+
 
 if __name__ == "__main__":
-    evaluate.launch()
+    run(main, config_default=None)

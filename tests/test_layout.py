@@ -25,7 +25,7 @@ from dspark_jax import groups
 from dspark_jax.draft.model import DraftConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dspark_jax"
-# `python -m dspark_jax.<command>` aliases of `cli/` modules: dspark_jax/<command>.py, train/, experiments/
+# the commands: `python -m dspark_jax.<command>` runs dspark_jax/<command>.py (its flags and `main`)
 ENTRY = "<commands>"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -46,7 +46,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 LIBRARIES = ("nn", "sharding", "kernels", "target", "data", "cache", "draft")
 UPPER = ("groups", "run", "training", "inference", "suite", "cli")
-COMMAND_PACKAGES = ("train", "experiments")  # hold only `python -m` aliases of `cli/` modules
 
 # Words that name a group or one of its keys and still belong elsewhere, each with its reason.
 GENERIC = {
@@ -55,8 +54,7 @@ GENERIC = {
 }
 # Files outside groups/ that may name a group, each with its reason.
 ALLOWED = {
-    "cli/fit_engram.py": "the Engram groups' table-fitting command; every command's code lives in cli/",
-    "fit_engram.py": "its documented alias, `python -m dspark_jax.fit_engram`",
+    "fit_engram.py": "the Engram groups' table-fitting command, `python -m dspark_jax.fit_engram`",
 }
 
 
@@ -96,17 +94,18 @@ def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     return {name: imports(name, path, set(found)) for name, path in found.items()}
 
 
-ROOT_LIBRARIES = ("errors", "nn", "sharding")  # the top-level modules that are not command aliases
+# the top-level modules that are not commands: libraries at the root, and the commands' shared plumbing
+TOP_MODULES = ("errors", "nn", "sharding", "cli")
 
 
 def top_package(module: str, package: Path = PACKAGE) -> str:
-    """The layer key of a module: its top-level package or library module, `<root>` for the package's
-    `__init__`, `ENTRY` for a command alias (another top-level module, or one of `COMMAND_PACKAGES`)."""
+    """The layer key of a module: its top-level package or module (`TOP_MODULES`), `<root>` for the
+    package's `__init__`, `ENTRY` for a command (any other top-level module)."""
     parts = module.split(".")
     if len(parts) == 1:
         return "<root>"
-    alias = len(parts) == 2 and not (package / parts[1]).is_dir() and parts[1] not in ROOT_LIBRARIES
-    return ENTRY if alias or parts[1] in COMMAND_PACKAGES else parts[1]
+    command = len(parts) == 2 and not (package / parts[1]).is_dir() and parts[1] not in TOP_MODULES
+    return ENTRY if command else parts[1]
 
 
 def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
@@ -253,3 +252,28 @@ def test_the_checks_fail_on_an_upward_import_a_cycle_and_a_group_word(tmp_path):
     ]
     assert package_cycles(graph, package) == [["draft", "run"]]
     assert group_word_lines(package, {"engram"}) == ["run/other.py:2: ENGRAM"]
+
+
+def runnable_modules(package: Path = PACKAGE) -> set[str]:
+    """The package's modules that `python -m` runs: a `__main__.py`, or a `__name__ == "__main__"` guard."""
+    guard = re.compile(r"^if __name__ == [\"']__main__[\"']:", re.M)
+    return {
+        name
+        for name, path in modules(package).items()
+        if path.name == "__main__.py" or guard.search(path.read_text())
+    }
+
+
+def documented_commands() -> set[str]:
+    """Every `python -m dspark_jax.<command>` that the README and `docs/` name."""
+    found = set()
+    for path in [PACKAGE.parent / "README.md", *sorted((PACKAGE.parent / "docs").glob("*.md"))]:
+        found |= set(re.findall(r"python -m (dspark_jax\.\w+)", path.read_text()))
+    return found
+
+
+def test_each_command_is_one_runnable_module_and_every_documented_one_exists():
+    commands = {m for m in modules() if top_package(m) == ENTRY}
+    assert runnable_modules() == commands
+    assert documented_commands() <= commands, documented_commands() - commands
+    assert {"dspark_jax.train", "dspark_jax.experiments", "dspark_jax.speculate"} <= commands

@@ -28,8 +28,8 @@ from dspark_jax.suite.runner import (
     setting_name,
 )
 from dspark_jax.training import intervals
-from dspark_jax.training.loop import SUMMARY_FILE
 from dspark_jax.training.metrics_writer import METRICS_FILE, MetricWriter
+from dspark_jax.training.summary import SUMMARY_FILE
 
 REPORT_FILE = "report.md"
 DATA_DIR = "data"

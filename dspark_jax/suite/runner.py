@@ -40,8 +40,9 @@ from dspark_jax.run.config_lib import REPO_ROOT
 from dspark_jax.suite import measure, plan
 from dspark_jax.target import TargetConfig, target_from_config
 from dspark_jax.training.evaluation import measure_checkpoint, open_prefixes, open_validation
-from dspark_jax.training.loop import SUMMARY_FILE, train
+from dspark_jax.training.loop import train
 from dspark_jax.training.metrics_writer import METRICS_FILE
+from dspark_jax.training.summary import SUMMARY_FILE
 
 log = logging.getLogger("dspark_jax.suite")
 SUITE_FILE = "suite.json"

@@ -10,7 +10,6 @@ checkpoint, with the data iterator exactly where it was.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -30,13 +29,12 @@ from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.run.checkpoints import Checkpointer
 from dspark_jax.training import evaluation
 from dspark_jax.training import step as step_lib
-from dspark_jax.training.metrics_writer import METRICS_FILE, TENSORBOARD_DIR, MetricWriter
+from dspark_jax.training.metrics_writer import MetricWriter
 from dspark_jax.training.preemption import PreemptionGuard
 from dspark_jax.training.progress import ProgressLogger
+from dspark_jax.training.summary import write_summary
 
 log = logging.getLogger(__name__)
-
-SUMMARY_FILE = "summary.json"
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -97,42 +95,6 @@ def forward_seconds(features: step_lib.Features, frozen, micro_batch, repeats: i
         jax.block_until_ready(forward(frozen, micro_batch))
         seconds.append(time.perf_counter() - began)
     return float(np.median(seconds))
-
-
-def write_summary(
-    workdir: epath.Path,
-    checkpointer: Checkpointer,
-    stages: Mapping[str, float],
-    pretrained_steps: int = 0,
-    process_steps: tuple[int, int] = (0, 0),
-    features: Mapping[str, Any] | None = None,
-) -> None:
-    """`summary.json` in the work directory: where the run's outputs are, its final and best
-    evaluation (on the logged, cumulative step axis), the run's own steps and the steps of the run it
-    started from, what this process did (`resumed_from_step`: the checkpoint it started from, 0 for a
-    fresh run; `steps_computed`: the optimizer steps it ran), the wall time of each stage, and where the
-    target's states came from (`features`: the mode, and online what the target's forward cost of each
-    step) (process 0 only)."""
-    if jax.process_index():
-        return
-    lines = [json.loads(line) for line in (workdir / METRICS_FILE).read_text().splitlines()]
-    evals = [(line["step"], line["eval/tau_prob"]) for line in lines if line.get("eval/tau_prob") is not None]
-    step = checkpointer.latest_step()
-    summary = {
-        "workdir": str(workdir),
-        "checkpoint": str(checkpointer.directory / str(step)) if step is not None else None,
-        "step": step,
-        "pretrained_steps": pretrained_steps,
-        "resumed_from_step": process_steps[0],
-        "steps_computed": process_steps[1],
-        "tensorboard": str(workdir / TENSORBOARD_DIR),
-        "metrics": str(workdir / METRICS_FILE),
-        "final_eval": dict(zip(("step", "tau_prob"), evals[-1])) if evals else None,
-        "best_eval": dict(zip(("step", "tau_prob"), max(evals, key=lambda e: e[1]))) if evals else None,
-        "seconds": {name: round(seconds, 1) for name, seconds in stages.items()},
-        "features": dict(features or {"mode": "offline"}),
-    }
-    (workdir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _scalars(metrics: Mapping[str, Any], prefix: str) -> dict[str, float]:

@@ -10,7 +10,8 @@ from configs import baseline
 from dspark_jax.cache import CacheDataSource
 from dspark_jax.cache.build import build_cache, cache_spec, tokenize_all
 from dspark_jax.target import load_target
-from dspark_jax.training.loop import SUMMARY_FILE, train
+from dspark_jax.training.loop import train
+from dspark_jax.training.summary import SUMMARY_FILE
 from tests.cache.test_build import CONVERSATIONS
 from tests.references import reference
 from tests.target import hf_hybrid

@@ -1,4 +1,5 @@
-"""inspect_cache CLI on both formats: summary JSON, --verify, --dump_sample."""
+"""inspect_cache on both formats: summary JSON, --verify, --dump_sample (the command itself runs in
+`tests/test_new_user.py`)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,19 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_cache import SPEC, assert_same_sample, build, chunk_files, make_samples
 from test_deepspec import LAYERS, TARGET, H, write_reference_cache
 
-from dspark_jax import cache
-from dspark_jax.cli import inspect_cache
+from dspark_jax import cache, inspect_cache
 from dspark_jax.interop import deepspec_cache as deepspec
 from dspark_jax.run.sources import open_cache
 
 
-def run(capsys, *argv) -> tuple[int, str, str]:
-    rc = inspect_cache.main([str(a) for a in argv])
+def run(capsys, path, **options) -> tuple[int, str, str]:
+    rc = inspect_cache.inspect(str(path), **options)
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -47,7 +48,7 @@ def test_native(tmp_path, capsys):
     s = summary(out)
     assert rc == 0 and s["format"] == "dspark_jax" and s["complete"] is False and s["committed_samples"] == 5
     cache.finalize(str(path))
-    rc, out, _ = run(capsys, path, "--verify", "--dump_sample=3", f"--output={tmp_path / 's.npz'}")
+    rc, out, _ = run(capsys, path, verify=True, dump_sample=3, output=str(tmp_path / "s.npz"))
     s = summary(out)
     assert rc == 0 and "verify: OK (5 samples)" in out
     assert s["num_samples"] == 5 and s["aux_layer_ids"] == [2, 5, 7] and s["hidden_size"] == 16
@@ -58,8 +59,8 @@ def test_native(tmp_path, capsys):
     data = bytearray(f.read_bytes())
     data[0] ^= 1
     f.write_bytes(bytes(data))
-    rc, _, err = run(capsys, path, "--verify")
-    assert rc == 1 and "shard 0" in err and "input_ids" in err
+    with pytest.raises(cache.CacheCorruptError, match=r"shard 0.*input_ids"):
+        run(capsys, path, verify=True)
 
 
 def test_deepspec(tmp_path, capsys):
@@ -67,7 +68,7 @@ def test_deepspec(tmp_path, capsys):
     deepspec.write_deepspec_cache(
         str(tmp_path / "d"), samples, 16, (2, 5, 7), samples_per_shard=2, target_model_name_or_path="tgt"
     )
-    rc, out, _ = run(capsys, tmp_path / "d", "--verify", "--dump_sample=2", f"--output={tmp_path / 'd.npz'}")
+    rc, out, _ = run(capsys, tmp_path / "d", verify=True, dump_sample=2, output=str(tmp_path / "d.npz"))
     s = summary(out)
     assert rc == 0 and s["format"] == "deepspec" and s["num_samples"] == 4 and s["hidden_size"] == 16
     assert s["aux_layer_ids"] == [2, 5, 7] and s["target"] == "tgt" and s["num_shards"] == 2
@@ -80,14 +81,14 @@ def test_deepspec_reference_layout(tmp_path, capsys):
     path = tmp_path / "ref"
     samples = make_samples(6, seed=5)
     write_reference_cache(path, samples, [1, 3, 2])
-    rc, out, err = run(capsys, path, "--verify")
+    rc, out, err = run(capsys, path, verify=True)
     s = summary(out)
     assert rc == 0 and err == "" and "verify: OK (6 samples)" in out
     assert s["format"] == "deepspec" and s["num_samples"] == 6 and s["num_shards"] == 3
     assert s["aux_layer_ids"] == LAYERS and s["num_aux_layers"] == 3 and s["hidden_size"] == H
     assert s["target"] == TARGET and s["num_tokens"] == sum(len(x["input_ids"]) for x in samples)
     for i in (0, 3, 5):
-        rc, out, _ = run(capsys, path, f"--dump_sample={i}", f"--output={tmp_path / f'{i}.npz'}")
+        rc, out, _ = run(capsys, path, dump_sample=i, output=str(tmp_path / f"{i}.npz"))
         assert rc == 0 and f"wrote sample {i}" in out
         check_dump(tmp_path / f"{i}.npz", samples[i])
     ds = open_cache(str(path))
@@ -102,20 +103,20 @@ def test_deepspec_verify_reports_all(tmp_path, capsys):
     for name in ("shard-00000.bin", "shard-00002.bin"):  # the last samples of shards 0 and 2: 0 and 5
         f = path / name
         f.write_bytes(f.read_bytes()[:-3])
-    rc, _, err = run(capsys, path, "--verify", "--dump_sample=1", f"--output={tmp_path / 'x.npz'}")
+    rc, _, err = run(capsys, path, verify=True, dump_sample=1, output=str(tmp_path / "x.npz"))
     lines = err.strip().splitlines()
     assert rc == 1 and len(lines) == 3 and not (tmp_path / "x.npz").exists()
     assert "sample 0: target_last_hidden_states" in lines[0] and "'shard-00000.bin'" in lines[0]
     assert "sample 5: target_last_hidden_states" in lines[1] and "'shard-00002.bin'" in lines[1]
     assert lines[2] == "verify: FAILED (2 of 6 samples corrupt)"
     (path / "shard-00001.bin").unlink()
-    rc, _, err = run(capsys, path, "--verify")
-    assert rc == 1 and "'shard-00001.bin'" in err and "missing" in err
+    with pytest.raises(FileNotFoundError, match=r"shard-00001\.bin.*missing"):
+        run(capsys, path, verify=True)
 
 
 def test_missing(tmp_path, capsys):
-    rc, _, err = run(capsys, tmp_path)
-    assert rc == 1 and "manifest.json" in err
+    with pytest.raises(FileNotFoundError, match=r"manifest\.json"):
+        run(capsys, tmp_path)
 
 
 def test_native_verify_reports_every_bad_shard(tmp_path, capsys):
@@ -127,6 +128,7 @@ def test_native_verify_reports_every_bad_shard(tmp_path, capsys):
     damaged = chunk_files(path, 1, "aux_hidden")[0]
     damaged.write_bytes(damaged.read_bytes()[:7])
     capsys.readouterr()
-    rc, _, err = run(capsys, path, "--verify")
-    assert rc == 1 and "2 problem(s)" in err
-    assert "shard 0: cannot read last_hidden" in err and "shard 1: cannot read aux_hidden" in err
+    with pytest.raises(cache.CacheCorruptError, match=r"2 problem\(s\)") as error:
+        run(capsys, path, verify=True)
+    assert "shard 0: cannot read last_hidden" in str(error.value)
+    assert "shard 1: cannot read aux_hidden" in str(error.value)

@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 
 from configs import base
-from dspark_jax import cache
+from dspark_jax import cache, inspect_cache
 from dspark_jax.cache import build as build_lib
 from dspark_jax.cache import format as fmt
 from dspark_jax.cache.build import build_cache, cache_spec, projected_bytes, tokenize_all
-from dspark_jax.cli import inspect_cache
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.data import pipeline
 from dspark_jax.interop.deepspec_cache import write_deepspec_cache
-from dspark_jax.run import sources, target_side
+from dspark_jax.run import cache_info, sources, target_side
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import tokenize_conversation
 from tests.cache.test_cache import make_samples
@@ -133,7 +132,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 def test_verify_and_inspect_read_a_token_cache(caches, tmp_path, capsys):
     _, _, tokens = caches
     assert cache.verify(tokens) == 12
-    assert inspect_cache.main([tokens, "--verify", "--dump_sample=11", f"--output={tmp_path / 's.npz'}"]) == 0
+    assert inspect_cache.inspect(tokens, verify=True, dump_sample=11, output=str(tmp_path / "s.npz")) == 0
     out = capsys.readouterr().out
     summary = json.loads(out[: out.rindex("}") + 1])
     assert summary["states"] is False and summary["aux_layer_ids"] == [] and "verify: OK (12 samples)" in out
@@ -155,7 +154,7 @@ def test_a_manifest_without_states_reads_as_a_cache_of_states_and_resumes(tmp_pa
     assert "states" not in manifest["spec"]
     source = cache.CacheDataSource(str(OLD_CACHE), expect={"states": True})
     assert source.has_states and set(source[0]) == {"input_ids", "loss_mask", "aux_hidden", "last_hidden"}
-    assert inspect_cache.summarize(str(OLD_CACHE))["states"] is True
+    assert cache_info.summarize(str(OLD_CACHE))["states"] is True
     copy = tmp_path / "old"
     shutil.copytree(OLD_CACHE, copy)
     spec = fmt.CacheSpec.from_json(manifest["spec"])

@@ -16,7 +16,8 @@ from dspark_jax.suite import measure, plan
 from dspark_jax.target import target_from_config
 from dspark_jax.training import aot
 from dspark_jax.training.evaluation import evaluate_checkpoint
-from dspark_jax.training.loop import SUMMARY_FILE, train
+from dspark_jax.training.loop import train
+from dspark_jax.training.summary import SUMMARY_FILE
 from tests.marks import tiered
 
 SIZE = 256  # of the smoke target's 49,152 ids: the smoke responses use fewer, so the rest is ranked by id

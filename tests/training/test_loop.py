@@ -17,7 +17,8 @@ from dspark_jax import sharding
 from dspark_jax.run import config_lib, sources, target_side
 from dspark_jax.run.checkpoints import Checkpointer
 from dspark_jax.training import loop
-from dspark_jax.training.loop import SUMMARY_FILE, NonFiniteLossError, train
+from dspark_jax.training.loop import NonFiniteLossError, train
+from dspark_jax.training.summary import SUMMARY_FILE
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMING = ("train/step_seconds", "train/tokens_per_second", "train/wall_minutes", "eval/wall_minutes")

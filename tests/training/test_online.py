@@ -14,7 +14,6 @@ from ml_collections import config_dict
 
 from configs import base, baseline
 from dspark_jax import groups, sharding
-from dspark_jax.cli.train import human_summary
 from dspark_jax.data.batch import STATE_FIELDS
 from dspark_jax.data.pipeline import make_iterator, to_global
 from dspark_jax.draft.model import FrozenTarget
@@ -25,7 +24,8 @@ from dspark_jax.suite import plan
 from dspark_jax.target import TargetConfig, random_target
 from dspark_jax.training import evaluation
 from dspark_jax.training import step as step_lib
-from dspark_jax.training.loop import SUMMARY_FILE, forward_seconds, split_micro_batches, train
+from dspark_jax.training.loop import forward_seconds, split_micro_batches, train
+from dspark_jax.training.summary import SUMMARY_FILE, human_summary
 from tests import bf16
 from tests.marks import EXTENDED, tiered
 

@@ -1,5 +1,6 @@
-"""Shared command-line plumbing: the `--config` flag of every entry point, validated before any work,
-and `run`, which turns user errors into one `error:` line and an exit status."""
+"""What every command shares (each command is one module, `python -m dspark_jax.<command>` runs
+`dspark_jax/<command>.py`: its flags and `main`): the `--config` flag, validated before any work, path flags,
+quiet logging, and `run`, which turns user errors into one `error:` line and an exit status."""
 
 from __future__ import annotations
 

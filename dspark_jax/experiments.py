@@ -23,7 +23,7 @@ import sys
 
 from absl import flags
 
-from dspark_jax.cli.common import REPO_ROOT, check_flags, define_path_flag, run
+from dspark_jax.cli import REPO_ROOT, check_flags, define_path_flag, run
 from dspark_jax.suite import plan, report
 from dspark_jax.suite.runner import SuiteRun
 from dspark_jax.training.loop import Preempted
@@ -102,10 +102,5 @@ def main(argv):
     print(f"report: {path}\nwork directory: {workdir}")
 
 
-def launch() -> None:
-    """The command: flags parsed, errors as one line (`cli.common.run`)."""
-    run(main, config_default=None)
-
-
 if __name__ == "__main__":
-    launch()
+    run(main, config_default=None)

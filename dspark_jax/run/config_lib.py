@@ -221,7 +221,7 @@ def _check_aux_layers(config) -> None:
 def check_aux_layers(config, depth: int) -> None:
     """`data.aux_layer_ids` name layers -1 (embedding output) .. `depth - 1` of a target `depth` layers deep,
     and not its last layer, which SGLang, sglang-jax, DeepSpec, SpecForge and speculators cannot read
-    (`consumers.LAST_LAYER`), unless
+    (`Consumer.last_layer`), unless
     `data.tap_last_layer` allows it (then, or for a run stored before the key existed, a warning)."""
     ids = tuple(config.data.aux_layer_ids)
     bad = [i for i in ids if not -1 <= i < depth]

@@ -28,7 +28,6 @@ from dspark_jax import groups, sharding
 from dspark_jax.inference import calibration
 from dspark_jax.interop import consumers
 from dspark_jax.interop import deepspec_layout as layout
-from dspark_jax.interop.consumers import side_files as files_lib
 from dspark_jax.run import checkpoints, config_lib, draft_state, target_side
 from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.run.checkpoints import Checkpointer
@@ -111,62 +110,50 @@ def _left_out(config, cfg, shapes: dict[layout.ParamPath, tuple[int, ...]], name
     return extra
 
 
-def _sts(config, calibration_record: dict, mode: str, step: int) -> dict:
-    held_out = calibration_record["ece"][mode]["held_out"]
-    return files_lib.sts_file(
-        calibration_record["temperatures"][mode],
-        dataset=config.data.val_source or "gsm8k_val256",
-        num_samples=calibration_record["blocks"]["fit"],
-        ece_before=held_out["before"],
-        ece_after=held_out["after"],
+def _calibration(config, record: dict, mode: str) -> consumers.Calibration:
+    """The run's calibration record of a step (`python -m dspark_jax.calibrate`), of acceptance `mode`."""
+    held_out = record["ece"][mode]["held_out"]
+    return consumers.Calibration(
         mode=mode,
-        step=step,
-        experiment=config.experiment,
+        dataset=config.data.val_source or "gsm8k_val256",
+        num_samples=record["blocks"]["fit"],
+        temperatures=tuple(record["temperatures"][mode]),
+        ece_before=tuple(held_out["before"]),
+        ece_after=tuple(held_out["after"]),
+        survival=_mean_survival(record, mode),
     )
 
 
-def _mean_survival(calibration_record: dict, mode: str) -> list[float]:
+def _mean_survival(calibration_record: dict, mode: str) -> tuple[float, ...]:
     """Per position, the measured cumulative acceptance over the held-out blocks (the reliability bins')."""
     out = []
     for bins in calibration_record["reliability"][mode]["held_out"]["after"]:
         pairs = [(n, a) for n, a in zip(bins["count"], bins["accuracy"]) if n]
         out.append(sum(n * a for n, a in pairs) / max(1, sum(n for n, _ in pairs)))
-    return out
+    return tuple(out)
 
 
-def side_files(config, checkpoint, step: int, config_json: dict, output: Path, for_engines, sts_mode: str):
-    """The engines' own files for `for_engines` (consumer names) from the run's calibration of `step` and
-    its SPS table
-    (each only when it was made: `python -m dspark_jax.calibrate [--profile_sps]`), by file name."""
+def _side_sources(config, checkpoint, step: int, config_json: dict, directory: Path, sts_mode: str):
+    """What the consumers' side files are made from: the run's calibration of `step` (of `sts_mode`) and its
+    SPS table, each as far as made (`python -m dspark_jax.calibrate [--profile_sps]`)."""
     sts_path, sps_path = (
         checkpoints.calibration_file(checkpoint, step),
         checkpoints.sps_table_file(checkpoint),
     )
-    record = json.loads(sts_path.read_text()) if sts_path.exists() else None
-    sps = json.loads(sps_path.read_text()) if sps_path.exists() else None
-    files = {}
-    if "sglang" in for_engines:
-        if record is not None:
-            files[files_lib.STS_FILE] = _sts(config, record, sts_mode, step)
-        if sps is not None:
-            files[files_lib.SPS_FILE] = sps
-        for path, what in ((sts_path, record), (sps_path, sps)):
-            if what is None:
-                log.warning(
-                    "no %s: SGLang runs the draft without it (static verification); make it with "
-                    "python -m dspark_jax.calibrate --checkpoint=%s%s",
-                    path,
-                    checkpoint,
-                    " --profile_sps (on the serving machine)" if path == sps_path else "",
-                )
-    if "trtllm" in for_engines:
-        schedule = None
-        if record is not None and sps is not None:
-            schedule = files_lib.draft_len_schedule(
-                _mean_survival(record, sts_mode), sps, sps["rows"], config.draft.block_size
-            )
-        files[files_lib.TRTLLM_FILE] = files_lib.trtllm_options(config_json, str(output.resolve()), schedule)
-    return files
+    read = lambda path: json.loads(path.read_text()) if path.exists() else None
+    record, calibrate = read(sts_path), f"python -m dspark_jax.calibrate --checkpoint={checkpoint}"
+    return consumers.SideSources(
+        directory=directory.resolve(),
+        config_json=config_json,
+        step=step,
+        experiment=config.experiment,
+        calibration=consumers.RunFile(
+            str(sts_path), None if record is None else _calibration(config, record, sts_mode), calibrate
+        ),
+        sps_table=consumers.RunFile(
+            str(sps_path), read(sps_path), calibrate + " --profile_sps (on the serving machine)"
+        ),
+    )
 
 
 def export_draft(
@@ -227,13 +214,8 @@ def export_draft(
     if ids_K is not None:
         config_json, tensors = consumers.with_draft_vocabulary(config_json, tensors, ids_K)
     directory = layout.write_directory(output, config_json, tensors)
-    for name in chosen:
-        consumer = consumers.CONSUMERS[name]
-        if consumer.form is not None:
-            layout.write_directory(directory / consumer.subdir, *consumer.form(config_json, tensors))
-    files_lib.write_side_files(
-        directory, side_files(config, checkpoint, step, config_json, directory, chosen, sts_mode)
-    )
+    sources = _side_sources(config, checkpoint, step, config_json, directory, sts_mode)
+    consumers.write_own(directory, chosen, config_json, tensors, sources)
     problems = consumers.check_directory(directory, chosen)
     if problems:
         raise ValueError(f"{directory} would not load: " + "; ".join(problems))

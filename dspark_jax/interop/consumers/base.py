@@ -2,10 +2,11 @@
 
 A consumer (a serving engine, a trainer, DeepSpec's evaluator) reads an exported draft with its own loader.
 Each module of this package describes one: the directory it reads (the export's main one, in DeepSpec's
-layout, or one of its own below it), how that directory is made from the main one (`form`), which drafts it
-cannot run and what would make them work (`refuse`), and `check`, every rule its loader applies, each citing
-the file and symbol of the consumer's code it comes from by a tag in brackets (the module's docstring lists
-the tags). Tensors are described by their safetensors headers: `{name: (shape, dtype)}`.
+layout, or one of its own below it), how that directory is made from the main one (`form`), the files of its
+own written beside the draft (`side_files`), which drafts it cannot run and what would make them work
+(`refuse`, `last_layer`), and `check`, every rule its loader applies, each citing the file and symbol of the
+consumer's code it comes from by a tag in brackets (the module's docstring lists the tags). Tensors are
+described by their safetensors headers: `{name: (shape, dtype)}`.
 """
 
 from __future__ import annotations
@@ -37,14 +38,52 @@ class DraftFacts:
 
 
 class Problems(list):
-    """One line per problem: `'<consumer>: <where>: <what> [<source tag>]'`."""
+    """One line per problem: `'<consumer>: <where>: <what> [<source tag>]'`; `last_layer` is the consumer's
+    (`Consumer.last_layer`), which `layer_ids` applies."""
 
-    def __init__(self, consumer: str):
+    def __init__(self, consumer: str, last_layer: str | None = None):
         super().__init__()
         self.consumer = consumer
+        self.last_layer = last_layer
 
     def add(self, where: str, text: str) -> None:
         self.append(f"{self.consumer}: {where}: {text}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The exported step's calibration (`python -m dspark_jax.calibrate`) of one acceptance, per draft
+    position."""
+
+    mode: str  # the acceptance calibrated: 'greedy' or 'sampling'
+    dataset: str  # the text its blocks came from
+    num_samples: int  # blocks the temperatures were fitted on
+    temperatures: tuple[float, ...]
+    ece_before: tuple[float, ...]  # on the held-out blocks, before and after the fit
+    ece_after: tuple[float, ...]
+    survival: tuple[float, ...]  # the measured cumulative acceptance over the held-out blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFile:
+    """One of the run's files a side file is made from: where it is, what it holds (None: not made), and
+    the command that makes it."""
+
+    path: str
+    content: Any
+    made_by: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SideSources:
+    """What the exporter hands each consumer's `side_files`."""
+
+    directory: Path  # the export's main directory, absolute
+    config_json: Mapping[str, Any]  # the main directory's config.json
+    step: int
+    experiment: str
+    calibration: RunFile  # a `Calibration` of the exported step, of the acceptance asked for
+    sps_table: RunFile  # the run's profiled verify-cost table (`side_files.sps_file`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +93,10 @@ class Consumer:
     `check(config, specs, problems, directory)` adds a line per rule the directory breaks (its side files
     read from `directory`); `form(config, tensors)` makes
     the consumer's own `(config.json, tensors)` from the main directory's (None: it reads the main one);
+    `side_files(sources)` its own files, `{file name: JSON or YAML content}`, written into its directory;
     `refuse(facts)` says why the consumer cannot run the draft and what would make it work (None: it can);
+    `last_layer` why it cannot read the target's last layer's output (None: it can; the ids are layer
+    outputs, DeepSpec's `target_layer_ids`);
     `reads` / `read` import a draft in the consumer's own form (a trainer's checkpoint).
     """
 
@@ -64,6 +106,8 @@ class Consumer:
     refuse: Callable[[DraftFacts], str | None]
     subdir: str = ""  # '' = the export's main directory
     form: Callable[[dict[str, Any], Tensors], tuple[dict[str, Any], Tensors]] | None = None
+    side_files: Callable[[SideSources], dict[str, Any]] | None = None
+    last_layer: str | None = None
     # A draft this consumer wrote (trained elsewhere) read back: `reads(config)` says whether a config.json is
     # of its form, `read(config)` gives the DeepSpec config.json it describes (its tensors keep their names).
     reads: Callable[[Mapping[str, Any]], bool] | None = None
@@ -112,7 +156,7 @@ QWEN3_SHAPE_KEYS = (
 
 def layer_ids(ids: Any, num_target_layers: Any, out: Problems, tag: str, where: str = "config.json") -> bool:
     """`ids` (layer outputs, DeepSpec's convention) increase within the target's layers, and spare its last
-    where the consumer cannot read that layer's output (`LAST_LAYER`); False when they are not a list of
+    where the consumer cannot read that layer's output (`out.last_layer`); False when they are not a list of
     layer indices."""
     if not (isinstance(ids, list) and ids and all(is_int(i) for i in ids)):
         out.add(where, f"target_layer_ids={ids!r}, expected a non-empty list of layer indices [{tag}]")
@@ -122,31 +166,13 @@ def layer_ids(ids: Any, num_target_layers: Any, out: Problems, tag: str, where: 
     if is_int(num_target_layers):
         if ids[-1] >= num_target_layers:
             out.add(where, f"target_layer_ids={ids} past the target's {num_target_layers} layers [{tag}]")
-        elif ids[-1] == num_target_layers - 1 and out.consumer in LAST_LAYER:
+        elif ids[-1] == num_target_layers - 1 and out.last_layer:
             out.add(
                 where,
                 f"target_layer_ids={ids} taps the target's last layer {num_target_layers - 1}, whose output "
-                f"{LAST_LAYER[out.consumer]}; retrain on inner layers (data.aux_layer_ids)",
+                f"{out.last_layer}; retrain on inner layers (data.aux_layer_ids)",
             )
     return True
-
-
-# The consumers that cannot read the target's last layer's output as an aux layer (the ids are layer outputs,
-# DeepSpec's `target_layer_ids`), and why; each module's tags cite the code. vLLM can (it captures id
-# num_layers after the last layer, raw, as this project's caches hold it: [vllm-layers]); TensorRT-LLM's
-# capture code was not read.
-LAST_LAYER = {
-    "deepspec": "DeepSpec's evaluator refuses [deepspec-layers]",
-    "sglang": "SGLang captures at the input of layer k + 1, and none follows the last [sglang-capture]",
-    "sglang_jax": "sglang-jax captures at the input of layer k + 1; none follows the last [sgljax-capture]",
-    "specforge": "SpecForge reads as hidden_states[k + 1], there the final norm's output [specforge-layers]",
-    "speculators": "speculators' data pipeline splits off as the training target [speculators-layers]",
-}
-
-
-def last_layer_readers() -> str:
-    """One line: who cannot serve or train a draft that taps the target's last layer, and why."""
-    return "; ".join(f"{name}: {why}" for name, why in LAST_LAYER.items())
 
 
 def qwen3_layers(c: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -57,4 +57,10 @@ def check(c: Mapping[str, Any], specs: base.Specs, out: base.Problems, directory
     base.tensors(specs, expected, {}, out, "deepspec-model")
 
 
-CONSUMER = base.Consumer(name="deepspec", release="deepseek-ai/DeepSpec (GitHub)", check=check, refuse=refuse)
+CONSUMER = base.Consumer(
+    name="deepspec",
+    release="deepseek-ai/DeepSpec (GitHub)",
+    check=check,
+    refuse=refuse,
+    last_layer="DeepSpec's evaluator refuses [deepspec-layers]",
+)

@@ -34,13 +34,15 @@ PyPI release sglang 0.5.23 (paths below `sglang/srt/`):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from dspark_jax.interop.consumers import base
-from dspark_jax.interop.consumers.side_files import SPS_FILE, STS_FILE
+from dspark_jax.interop.consumers.side_files import SPS_FILE, STS_FILE, sts_file
 
+log = logging.getLogger(__name__)
 ARCHITECTURES = ("Qwen3DSparkModel", "LingDSparkModel", "DSparkDraftModel")
 
 
@@ -67,6 +69,34 @@ def resolved(c: Mapping[str, Any]) -> dict[str, Any]:
         "target_layer_ids": pick("dspark_target_layer_ids", "target_layer_ids", c.get("dflash_config") or {}),
         "num_target_layers": base.first(c, "num_target_layers", "dflash_config"),
     }
+
+
+def side_files(sources: base.SideSources) -> dict[str, Any]:
+    """The STS calibration [sglang-sts] and the SPS table [sglang-sps], each when the run made it (a warning
+    for one not made: SGLang then verifies statically)."""
+    files = {}
+    calibration, sps = sources.calibration.content, sources.sps_table.content
+    if calibration is not None:
+        files[STS_FILE] = sts_file(
+            calibration.temperatures,
+            dataset=calibration.dataset,
+            num_samples=calibration.num_samples,
+            ece_before=calibration.ece_before,
+            ece_after=calibration.ece_after,
+            mode=calibration.mode,
+            step=sources.step,
+            experiment=sources.experiment,
+        )
+    if sps is not None:
+        files[SPS_FILE] = sps
+    for run_file in (sources.calibration, sources.sps_table):
+        if run_file.content is None:
+            log.warning(
+                "no %s: SGLang runs the draft without it (static verification); make it with %s",
+                run_file.path,
+                run_file.made_by,
+            )
+    return files
 
 
 def check(c: Mapping[str, Any], specs: base.Specs, out: base.Problems, directory: Path) -> None:
@@ -151,4 +181,11 @@ def _sps(path: Path, out: base.Problems) -> None:
         out.add(path.name, "steps per second must be positive [sglang-sps]")
 
 
-CONSUMER = base.Consumer(name="sglang", release="sglang 0.5.23 (PyPI)", check=check, refuse=refuse)
+CONSUMER = base.Consumer(
+    name="sglang",
+    release="sglang 0.5.23 (PyPI)",
+    check=check,
+    refuse=refuse,
+    side_files=side_files,
+    last_layer="SGLang captures at the input of layer k + 1, and none follows the last [sglang-capture]",
+)

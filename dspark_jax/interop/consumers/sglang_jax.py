@@ -69,5 +69,9 @@ def check(c: Mapping[str, Any], specs: base.Specs, out: base.Problems, directory
 
 
 CONSUMER = base.Consumer(
-    name="sglang_jax", release="sgl-project/sglang-jax PR #1632 @8941115b (read)", check=check, refuse=refuse
+    name="sglang_jax",
+    release="sgl-project/sglang-jax PR #1632 @8941115b (read)",
+    check=check,
+    refuse=refuse,
+    last_layer="sglang-jax captures at the input of layer k + 1; none follows the last [sgljax-capture]",
 )

@@ -169,6 +169,7 @@ CONSUMER = base.Consumer(
     refuse=refuse,
     subdir="specforge",
     form=form,
+    last_layer="SpecForge reads as hidden_states[k + 1], there the final norm's output [specforge-layers]",
     reads=reads,
     read=read,
 )

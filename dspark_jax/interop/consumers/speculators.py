@@ -207,6 +207,7 @@ CONSUMER = base.Consumer(
     refuse=refuse,
     subdir="speculators",
     form=form,
+    last_layer="speculators' data pipeline splits off as the training target [speculators-layers]",
     reads=reads,
     read=read,
 )

@@ -21,7 +21,7 @@ import yaml
 
 from dspark_jax.interop import deepspec_layout as layout
 from dspark_jax.interop.consumers import base
-from dspark_jax.interop.consumers.side_files import TRTLLM_FILE
+from dspark_jax.interop.consumers.side_files import TRTLLM_FILE, draft_len_schedule, trtllm_options
 
 
 def refuse(facts: base.DraftFacts) -> str | None:
@@ -31,6 +31,18 @@ def refuse(facts: base.DraftFacts) -> str | None:
             f"{facts.draft_vocab_size} tokens): train with train.draft_vocab=0 [trtllm]"
         )
     return None
+
+
+def side_files(sources: base.SideSources) -> dict[str, Any]:
+    """The options file [trtllm], with a `draft_len_schedule` when the run has both its calibration and its
+    SPS table."""
+    calibration, sps = sources.calibration.content, sources.sps_table.content
+    schedule = None
+    if calibration is not None and sps is not None:
+        schedule = draft_len_schedule(
+            calibration.survival, sps, sps["rows"], sources.config_json["block_size"]
+        )
+    return {TRTLLM_FILE: trtllm_options(sources.config_json, str(sources.directory), schedule)}
 
 
 def check(c: Mapping[str, Any], specs: base.Specs, out: base.Problems, directory: Path) -> None:
@@ -90,5 +102,9 @@ def _options(path: Path, c: Mapping[str, Any], out: base.Problems) -> None:
 
 
 CONSUMER = base.Consumer(
-    name="trtllm", release="NVIDIA/TensorRT-LLM @0004396 (read)", check=check, refuse=refuse
+    name="trtllm",
+    release="NVIDIA/TensorRT-LLM @0004396 (read)",
+    check=check,
+    refuse=refuse,
+    side_files=side_files,
 )

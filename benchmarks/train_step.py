@@ -45,7 +45,7 @@ from dspark_jax.data.pipeline import to_global
 from dspark_jax.draft.model import DraftConfig, FrozenTarget, make_draft_vocab
 from dspark_jax.groups.engram import prepare as engram_prepare
 from dspark_jax.groups.engram.group import TABLE
-from dspark_jax.run import draft_state, online
+from dspark_jax.run import config_lib, draft_state, online
 from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.target import TargetConfig
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
@@ -105,7 +105,7 @@ def online_frozen(config, target: TargetConfig, frozen: FrozenTarget, mesh) -> t
         dtype=jnp.dtype(config.target.dtype),
     )
     graphdef, state = nnx.split(model)
-    state = jax.device_put(state, sharding.state_shardings(state, mesh, sharding.rules_of(config)))
+    state = jax.device_put(state, sharding.state_shardings(state, mesh, config_lib.sharding_rules(config)))
     return frozen._replace(target_state=state), online.online_features(config, nnx.merge(graphdef, state))
 
 
@@ -143,7 +143,7 @@ def time_step(
         )
     micro_rows = config.train.global_batch // config.train.grad_accum
     host_batch = batch_lib.synthetic(
-        micro_rows, batch_lib.Dims.of(config, target.hidden_size), target.vocab_size
+        micro_rows, config_lib.batch_dims(config, target.hidden_size), target.vocab_size
     )
     batch = to_global(batch_lib.device_fields(host_batch), mesh)
     online_features = None

@@ -21,8 +21,9 @@ import json
 from absl import flags
 
 from dspark_jax import sharding
-from dspark_jax.cache.build import prepare_split, projected_size
+from dspark_jax.cache.build import projected_size
 from dspark_jax.cli import config_value, define_config_flag, run
+from dspark_jax.run import caches, config_lib
 from dspark_jax.target import load_tokenizer, target_from_config
 
 _CONFIG = define_config_flag()
@@ -41,12 +42,15 @@ def main(argv):
     if _DRY_RUN.value:
         tokenizer, template, shape = load_tokenizer(config.target)
         for split in splits:
-            print(json.dumps(projected_size(config, split, tokenizer, template, shape.hidden_size)))
+            spec = caches.split_spec(config, split)
+            print(json.dumps(projected_size(spec, tokenizer, template, shape.hidden_size)))
         return
     mesh = sharding.make_mesh(config.mesh.to_dict())
-    target = target_from_config(config.target, seed=config.seed, mesh=mesh)
+    target = target_from_config(
+        config.target, seed=config.seed, mesh=mesh, rules=config_lib.sharding_rules(config)
+    )
     for split in splits:
-        report = prepare_split(
+        report = caches.prepare(
             config,
             split,
             target,

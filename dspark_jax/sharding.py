@@ -5,8 +5,8 @@ A rules table maps each logical name to mesh axes of the `('data', 'fsdp', 'tens
 mesh. A dimension that the mapped mesh axes do not divide evenly stays replicated, so the
 same model runs on 1 CPU, 8 fake CPU devices, a GPU or a TPU slice.
 
-The table is a config entry (`config.sharding.rules`, default `DEFAULT_RULES`). Activations are
-pinned with `constrain(x, logical_axes)` at the block, chunk and logits boundaries; it acts
+A run takes its table from its config (`run.config_lib.sharding_rules`; default `DEFAULT_RULES`).
+Activations are pinned with `constrain(x, logical_axes)` at the block, chunk and logits boundaries; it acts
 inside `activation_sharding(mesh, rules)` (the trainer and evaluator trace their steps inside
 one) and is the identity elsewhere, so model code runs unchanged on one device.
 """
@@ -47,17 +47,6 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
-
-
-def rules_of(config) -> Rules:
-    """The rules table of a config (`sharding.rules`), or the default one."""
-    section = config.get("sharding") if hasattr(config, "get") else None
-    rules = section.get("rules") if section is not None else None
-    return (
-        tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
-        if rules
-        else DEFAULT_RULES
-    )
 
 
 _ACTIVE: list[tuple[Mesh, Rules]] = []

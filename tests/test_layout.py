@@ -277,3 +277,54 @@ def test_each_command_is_one_runnable_module_and_every_documented_one_exists():
     assert runnable_modules() == commands
     assert documented_commands() <= commands, documented_commands() - commands
     assert {"dspark_jax.train", "dspark_jax.experiments", "dspark_jax.speculate"} <= commands
+
+
+# The run config's sections that nothing else is named after (`configs/base.py`): reading one of them off an
+# object means reading the run config. `run/` resolves a config into the libraries' own inputs (specs,
+# rules, paths); the layers below `groups` take those, never the config.
+RUN_CONFIG_SECTIONS = {"data", "train", "generate", "init", "mesh", "sharding", "preset", "experiment"}
+NO_RUN_CONFIG = (*LIBRARIES, "interop", "inference")
+
+
+def run_config_reads(package: Path = PACKAGE) -> list[str]:
+    """`path:line: name.section` for every read of a run-config section (`x.data`, `x.get("data")`) in a
+    module of `NO_RUN_CONFIG`."""
+    out = []
+    for name, path in modules(package).items():
+        if top_package(name, package) not in NO_RUN_CONFIG:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                owner, section = node.value.id, node.attr
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and isinstance(node.func.value, ast.Name)
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                owner, section = node.func.value.id, node.args[0].value
+            else:
+                continue
+            if owner in ("config", "cfg", "run_config") and section in RUN_CONFIG_SECTIONS:
+                out.append(f"{path.relative_to(package).as_posix()}:{node.lineno}: {owner}.{section}")
+    return sorted(out)
+
+
+def test_no_library_reads_the_run_config():
+    assert run_config_reads() == []
+
+
+def test_the_run_config_check_finds_a_library_reading_it(tmp_path):
+    package = _tree(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "cache/__init__.py": "",
+            "cache/build.py": "def f(config):\n    return config.data.max_length, config.get('train')\n",
+            "run/__init__.py": "",
+            "run/caches.py": "def spec(config):\n    return config.data.max_length\n",  # run/ may
+        },
+    )
+    assert run_config_reads(package) == ["cache/build.py:2: config.data", "cache/build.py:2: config.train"]

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import time
@@ -36,8 +34,7 @@ from dspark_jax.cache.features import FeatureExtractor
 from dspark_jax.cache.format import CacheSpec, estimate_bytes
 from dspark_jax.cache.lock import exclusive, lock_file
 from dspark_jax.cache.writer import ShardWriter, create_or_open, finalize, read_progress
-from dspark_jax.data.batch import reads_states
-from dspark_jax.data.conversations import GSM8K_VAL256, Conversation, Message, first_turns, load_conversations
+from dspark_jax.data.conversations import Conversation, Message, first_turns, load_conversations
 from dspark_jax.data.regenerate import (
     NO_USER_TURN,
     PROMPT_TOO_LONG,
@@ -64,6 +61,37 @@ DROP_REASONS = (
     NOT_TOKENIZABLE,
     FEWER_THAN_2_RESPONSE_TOKENS,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSpec:
+    """What determines one split's cache: its conversations, their regeneration and the samples' layout
+    (`run.caches.split_spec` resolves it from a run config)."""
+
+    split: str  # 'train' or 'val'
+    source: str  # a source name, a conversation file or a blend (`data.conversations.load_conversations`)
+    limit: int | None  # the first N usable conversations (None: all)
+    max_turns: int  # user turns kept per conversation
+    regenerate: bool  # the target rewrites every reply; else the source's replies are the text
+    max_new_tokens: int  # regeneration: reply length cap per turn
+    max_prompt_tokens: int  # regeneration: a conversation whose first prompt is longer is dropped
+    batch_size: int  # regeneration: rows per compiled program
+    chunk_size: int  # regeneration: conversations per durable write
+    seed: int
+    max_length: int  # tokens per sample; longer ones are cut (counted)
+    aux_layer_ids: tuple[int, ...]
+    num_shards: int
+    states: bool  # the target's states (offline training), or the token rows alone (online)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitFiles:
+    """Where one split's replies and cache live (local paths or URLs), and this host's directory for
+    locks and regeneration's staging."""
+
+    cache: str
+    replies: str
+    local_root: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,21 +198,15 @@ def projected_bytes(samples: TokenizedSamples, spec: CacheSpec) -> int:
     return estimate_bytes(samples.num_tokens, spec, num_samples=len(samples.input_ids))
 
 
-def projected_size(
-    config, split: str, tokenizer: Tokenizer, template: ChatTemplate, hidden_size: int
-) -> dict:
+def projected_size(spec: SplitSpec, tokenizer: Tokenizer, template: ChatTemplate, hidden_size: int) -> dict:
     """What a split's cache will take, from its prompts alone (no target decoding, nothing written).
 
     An upper bound: each conversation kept (cut to `data.regen_max_turns` user turns; dropped when
     its first prompt is longer than `data.regen_max_prompt_tokens`, as regeneration drops it) counts
     its rendering with empty replies plus `data.regen_max_new_tokens` per reply, capped at
-    `data.max_length`. With `data.features = "online"` it counts the bytes of the token rows alone.
+    `data.max_length`. A token-row spec (`states` False) counts the bytes of the token rows alone.
     """
-    data = config.data
-    states = reads_states(config)
-    source = data.train_source if split == "train" else (data.val_source or str(GSM8K_VAL256))
-    limit = (data.train_limit if split == "train" else data.val_limit) or None
-    conversations = cut_turns(load_conversations(source, limit=limit).conversations, data.regen_max_turns)
+    conversations = cut_turns(load_conversations(spec.source, limit=spec.limit).conversations, spec.max_turns)
     tokens = samples = too_long = 0
     for conversation in conversations:
         messages: list[Message] = [m for m in conversation if m["role"] == "system"]
@@ -192,22 +214,23 @@ def projected_size(
         for turn in turns:
             messages += [turn, {"role": "assistant", "content": ""}]
         first = prompt_ids(tokenizer, template, [*messages[: len(messages) - 2 * len(turns)], turns[0]])
-        if len(first) > data.regen_max_prompt_tokens:
+        if len(first) > spec.max_prompt_tokens:
             too_long += 1
             continue
         rendered, _ = tokenize_conversation(tokenizer, template, messages, require_response=False)
-        tokens += min(len(rendered) + len(turns) * data.regen_max_new_tokens, data.max_length)
+        tokens += min(len(rendered) + len(turns) * spec.max_new_tokens, spec.max_length)
         samples += 1
-    aux_layer_ids = tuple(data.aux_layer_ids) if states else ()
-    spec = CacheSpec(aux_layer_ids, hidden_size, data.num_shards, {}, "", states=states)
+    layout = CacheSpec(
+        spec.aux_layer_ids if spec.states else (), hidden_size, spec.num_shards, {}, "", states=spec.states
+    )
     return {
-        "split": split,
-        "states": states,
+        "split": spec.split,
+        "states": spec.states,
         "conversations": len(conversations),
         "dropped": {PROMPT_TOO_LONG: too_long},
         "samples_at_most": samples,
         "tokens_at_most": tokens,
-        "bytes_at_most": estimate_bytes(tokens, spec, num_samples=samples),
+        "bytes_at_most": estimate_bytes(tokens, layout, num_samples=samples),
     }
 
 
@@ -284,88 +307,26 @@ def join_path(root: str, *parts: str) -> str:
     return head + "/".join(parts)
 
 
-def local_cache_root(config) -> str:
-    """The default root of a config's caches: `$DSPARK_JAX_CACHE` or ~/.cache/dspark_jax, then the preset."""
+def local_cache_root(preset: str) -> str:
+    """This host's root of a preset's caches: `$DSPARK_JAX_CACHE` or ~/.cache/dspark_jax, then the preset."""
     base = os.environ.get("DSPARK_JAX_CACHE") or Path.home() / ".cache" / "dspark_jax"
-    return str(Path(base) / config.preset)
+    return str(Path(base) / preset)
 
 
-def cache_root(config) -> str:
-    """Where a config's regenerated replies and caches live (see `data.cache_dir` in configs/base.py).
-
-    A local path or a URL (`gs://bucket/prefix`), kept as given.
-    """
-    cache_dir = config.data.cache_dir
+def cache_root(cache_dir: str, preset: str) -> str:
+    """Where a preset's regenerated replies and caches live: `cache_dir` (a local path or a URL such as
+    `gs://bucket/prefix`, kept as given), or `local_cache_root` when it is empty."""
     if not cache_dir:
-        return local_cache_root(config)
+        return local_cache_root(preset)
     return cache_dir if is_url(cache_dir) else str(Path(cache_dir))
 
 
-# Regeneration's chunk size before `data.regen_chunk_size` existed: what stored configs without the key ran
-# with, and the size that keeps the replies' and caches' names as they were.
-LEGACY_REGEN_CHUNK_SIZE = 64
-
-
-def regen_chunk_size(data) -> int:
-    """A config `data` section's regeneration chunk size (`LEGACY_REGEN_CHUNK_SIZE` for one without it)."""
-    return data.get("regen_chunk_size", LEGACY_REGEN_CHUNK_SIZE)
-
-
-def regen_settings(config, split: str) -> dict[str, Any]:
-    """Every setting that determines a split's regenerated replies (besides the target)."""
-    d = config.data
-    return (
-        {
-            "split": split,
-            "source": d.train_source if split == "train" else (d.val_source or str(GSM8K_VAL256.name)),
-            "limit": d.train_limit if split == "train" else d.val_limit,
-            "max_new_tokens": d.regen_max_new_tokens,
-            "max_prompt_tokens": d.regen_max_prompt_tokens,
-            "max_turns": d.regen_max_turns,
-            "batch_size": d.regen_batch_size,
-            "seed": config.seed,
-            "target_dtypes": [config.target.param_dtype, config.target.dtype],
-        }
-        | ({} if d.regenerate else {"regenerate": False})
-        | ({} if regen_chunk_size(d) == LEGACY_REGEN_CHUNK_SIZE else {"chunk_size": regen_chunk_size(d)})
-    )
-
-
-def cache_settings(config, split: str) -> dict[str, Any]:
-    """Every setting that determines a split's cache content (besides the target).
-
-    A token-row cache (`data.features = "online"`) does not depend on the aux layers and says
-    `"states": False`; a cache of states has the keys it always had, so its key is unchanged.
-    """
-    d = config.data
-    layers = {"aux_layer_ids": list(d.aux_layer_ids)} if reads_states(config) else {"states": False}
-    return {**regen_settings(config, split), "max_length": d.max_length, **layers, "num_shards": d.num_shards}
-
-
-def settings_key(settings: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-
-
-def cache_path(config, target_fingerprint: str, split: str) -> str:
-    """The cache of one split ('train' or 'val') for a config and target, keyed on every setting that
-    determines its content: changing one builds a new cache instead of reusing a stale one.
-    `{split}_cache-{key}` holds states, `{split}_tokens-{key}` token rows (`data.features = "online"`)."""
-    key = settings_key(cache_settings(config, split))
-    kind = "cache" if reads_states(config) else "tokens"
-    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_{kind}-{key}")
-
-
-def replies_path(config, target_fingerprint: str, split: str) -> str:
-    """The regenerated replies (JSONL) of one split for a config and target, keyed like `cache_path`."""
-    key = settings_key(regen_settings(config, split))
-    return join_path(cache_root(config), target_fingerprint[:12], f"{split}_replies-{key}.jsonl")
-
-
 def prepare_split(
-    config,
-    split: str,
+    spec: SplitSpec,
+    files: SplitFiles,
     target: Target,
     mesh: Mesh,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
     *,
     build: bool = True,
     process_index: int = 0,
@@ -373,41 +334,37 @@ def prepare_split(
 ) -> dict:
     """Regenerates a split's replies with the target and builds its cache; resumes whatever exists.
 
-    The cache holds the target's states, or with `data.features = "online"` the token rows alone (no
-    target forward after regeneration; same replies file). Conversations are cut to their first
-    `data.regen_max_turns` user turns before regeneration.
+    The cache holds the target's states, or for a token-row spec (`states` False) the token rows alone
+    (no target forward after regeneration; same replies file). Conversations are cut to their first
+    `spec.max_turns` user turns before regeneration. `mesh` is the mesh the target was placed on, `rules`
+    its logical-axis rules.
     Returns a report: cache path, counts, projected bytes, and the manifest when complete. With
     `build=False` it stops after regenerating and tokenising (no target forward, no cache written).
     `conversations` (read from the source; `source_skipped` are the records the source loader
     rejected, by reason) = `samples` + `dropped_total`, and `dropped` names every reason.
     """
+    split, path, replies = spec.split, files.cache, files.replies
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    data = config.data
-    max_turns = check_max_turns(data.regen_max_turns)  # before the (possibly slow) source is read
-    states = reads_states(config)
-    path = cache_path(config, target.fingerprint, split)
-    replies = replies_path(config, target.fingerprint, split)
-    locks = Path(local_cache_root(config), "locks")
-    source = data.train_source if split == "train" else (data.val_source or str(GSM8K_VAL256))
-    limit = (data.train_limit if split == "train" else data.val_limit) or None
-    loaded = load_conversations(source, limit=limit)
+    max_turns = check_max_turns(spec.max_turns)  # before the (possibly slow) source is read
+    locks = Path(files.local_root, "locks")
+    loaded = load_conversations(spec.source, limit=spec.limit)
     conversations = cut_turns(loaded.conversations, max_turns)
     # One regenerating process per replies file, one builder per set of shards.
-    if data.regenerate:
+    if spec.regenerate:
         with exclusive(lock_file(replies, "replies", locks), f"{split} replies {replies}"):
             regenerate(
                 target,
                 conversations,
                 replies,
-                max_new_tokens=data.regen_max_new_tokens,
-                seed=config.seed,
-                batch_size=data.regen_batch_size,
-                chunk_size=regen_chunk_size(data),
-                max_prompt_tokens=data.regen_max_prompt_tokens,
+                max_new_tokens=spec.max_new_tokens,
+                seed=spec.seed,
+                batch_size=spec.batch_size,
+                chunk_size=spec.chunk_size,
+                max_prompt_tokens=spec.max_prompt_tokens,
                 mesh=mesh,
-                rules=sharding.rules_of(config),
-                staging_dir=Path(local_cache_root(config), "staging"),
+                rules=rules,
+                staging_dir=Path(files.local_root, "staging"),
             )
     builder = f"{split}-p{process_index}of{process_count}"
     with exclusive(lock_file(path, builder, locks), f"{split} cache {path} (builder {builder})"):
@@ -415,14 +372,14 @@ def prepare_split(
         # distribution at every position (its states over that text).
         records = (
             read_output(replies)
-            if data.regenerate
+            if spec.regenerate
             else [{"index": i, "messages": c} for i, c in enumerate(conversations)]
         )
         if len(records) != len(conversations):
             raise ValueError(f"{replies}: {len(records)} lines for {len(conversations)} conversations")
         kept = [r for r in records if "messages" in r]
         samples = tokenize_all(
-            target, [r["messages"] for r in kept], data.max_length, [r["index"] for r in kept]
+            target, [r["messages"] for r in kept], spec.max_length, [r["index"] for r in kept]
         )
         dropped = count_dropped(records, samples)
         if sum(dropped.values()):
@@ -433,12 +390,12 @@ def prepare_split(
                 len(conversations),
                 {reason: n for reason, n in dropped.items() if n},
             )
-        spec = cache_spec(target, data.aux_layer_ids, data.num_shards, states=states)
+        layout = cache_spec(target, spec.aux_layer_ids, spec.num_shards, states=spec.states)
         report = {
             "split": split,
             "cache": path,
-            "states": states,
-            "replies": replies if data.regenerate else None,
+            "states": spec.states,
+            "replies": replies if spec.regenerate else None,
             "conversations": len(conversations),
             "source_skipped": dict(loaded.skipped),
             "cut_to_max_turns": sum(len(a) != len(b) for a, b in zip(loaded.conversations, conversations)),
@@ -448,7 +405,7 @@ def prepare_split(
             "dropped": dropped,
             "dropped_total": sum(dropped.values()),
             "truncated": samples.truncated,
-            "projected_bytes": projected_bytes(samples, spec),
+            "projected_bytes": projected_bytes(samples, layout),
         }
         if build:
             report["manifest_complete"] = (
@@ -456,11 +413,11 @@ def prepare_split(
                     path,
                     target,
                     samples,
-                    spec,
+                    layout,
                     process_index=process_index,
                     process_count=process_count,
                     mesh=mesh,
-                    rules=sharding.rules_of(config),
+                    rules=rules,
                 )
                 is not None
             )

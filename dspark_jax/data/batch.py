@@ -62,15 +62,6 @@ RECORD_FIELDS: dict[str, np.dtype] = {
 FEATURES = ("offline", "online")
 
 
-def reads_states(config) -> bool:
-    """Whether a run of `config` reads the target's states from its cache (`data.features = "offline"`,
-    the default of configs stored before the key) rather than computing them in the step ("online")."""
-    features = config.data.get("features", "offline")
-    if features not in FEATURES:
-        raise ValueError(f"data.features must be one of {FEATURES}, got {features!r}")
-    return features == "offline"
-
-
 def device_field_names(states: bool) -> tuple[str, ...]:
     """The fields the step reads, with or without the `STATE_FIELDS`, in `FIELDS` order."""
     return tuple(name for name in DEVICE_FIELDS if states or name not in STATE_FIELDS)
@@ -90,17 +81,6 @@ class Dims:
     hidden_size: int  # H
     num_anchors: int  # N
     states: bool = True
-
-    @classmethod
-    def of(cls, config, hidden_size: int) -> Dims:
-        """The batch sizes of a run config for a target of width `hidden_size`."""
-        return cls(
-            config.data.max_length,
-            len(config.data.aux_layer_ids),
-            hidden_size,
-            config.train.num_anchors,
-            reads_states(config),
-        )
 
 
 def shapes(rows: int, dims: Dims) -> dict[str, tuple]:

@@ -18,7 +18,7 @@ from ml_collections import config_dict
 
 from dspark_jax import groups, sharding
 from dspark_jax.data import conversations
-from dspark_jax.data.batch import FEATURES
+from dspark_jax.data.batch import FEATURES, Dims
 from dspark_jax.errors import UsageError
 from dspark_jax.interop import consumers
 from dspark_jax.kernels.block_attention import DEFAULT_BLOCK_SIZES, IMPLEMENTATIONS
@@ -77,11 +77,38 @@ def _group_keys(config, field: str) -> tuple:
 
 
 def sharding_rules(config) -> sharding.Rules:
-    """The run's logical-axis rules: the config's table (`sharding.rules_of`), plus the group's rules for
-    its own logical axes where the table has no entry for them."""
-    rules = tuple(sharding.rules_of(config))
+    """The run's logical-axis rules, the one place they are computed: the config's table
+    (`sharding.rules`, `sharding.DEFAULT_RULES` where a config has none), plus the group's rules for its own
+    logical axes where the table has no entry for them."""
+    section = config.get("sharding")
+    table = section.get("rules") if section is not None else None
+    rules = (
+        tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in table)
+        if table
+        else tuple(sharding.DEFAULT_RULES)
+    )
     named = {name for name, _ in rules}
     return rules + tuple(r for r in _group_keys(config, "sharding_rules") if r[0] not in named)
+
+
+def reads_states(config) -> bool:
+    """Whether a run of `config` reads the target's states from its cache (`data.features = "offline"`,
+    the default of configs stored before the key) rather than computing them in the step ("online")."""
+    features = config.data.get("features", "offline")
+    if features not in FEATURES:
+        raise ValueError(f"data.features must be one of {FEATURES}, got {features!r}")
+    return features == "offline"
+
+
+def batch_dims(config, hidden_size: int) -> Dims:
+    """The batch sizes of a run of `config` for a target of width `hidden_size`."""
+    return Dims(
+        max_length=config.data.max_length,
+        num_aux=len(config.data.aux_layer_ids),
+        hidden_size=hidden_size,
+        num_anchors=config.train.num_anchors,
+        states=reads_states(config),
+    )
 
 
 # Keys whose values fix the base draft's parameter tree (names, shapes) or which target it reads; a group

@@ -6,10 +6,9 @@ from typing import Any
 
 from dspark_jax.cache import CacheDataSource
 from dspark_jax.cache.format import open_kvstore, read_json
-from dspark_jax.data.batch import reads_states
 from dspark_jax.data.pipeline import PipelineConfig
 from dspark_jax.interop.deepspec_cache import DeepSpecDataSource, is_deepspec
-from dspark_jax.run import target_side
+from dspark_jax.run import config_lib, target_side
 
 
 def open_cache(
@@ -41,7 +40,7 @@ def open_source(path: str, config, side: target_side.TargetSide) -> CacheDataSou
         "tokenizer_fingerprint": side.tokenizer_fingerprint,
         "target_fingerprint": side.fingerprint,
     }
-    if not reads_states(config):
+    if not config_lib.reads_states(config):
         return open_cache(path, expect=expect, read_states=False)
     source = open_cache(path, expect=expect)
     if not source.has_states:
@@ -66,5 +65,5 @@ def pipeline_config(
         num_epochs=num_epochs,
         worker_count=config.data.worker_count,
         pack=config.data.get("pack", False),  # absent from configs stored before it
-        states=reads_states(config),
+        states=config_lib.reads_states(config),
     )

@@ -17,13 +17,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax import groups, sharding
 from dspark_jax.cache import read_manifest
-from dspark_jax.cache.build import cache_path, prepare_split
 from dspark_jax.cache.reader import CacheDataSource
-from dspark_jax.data.batch import reads_states
 from dspark_jax.draft.model import FrozenTarget, make_draft_vocab
 from dspark_jax.errors import UsageError
 from dspark_jax.inference import vocabulary
-from dspark_jax.run import config_lib, draft_state, online
+from dspark_jax.run import caches, config_lib, draft_state, online
 from dspark_jax.target import Target, TargetConfig, eos_ids, target_from_config
 from dspark_jax.target.checkpoint import default_target_path, load_checkpoint
 from dspark_jax.target.load import TensorReader, abstract_model, tensor_reader
@@ -59,7 +57,7 @@ def check_online_fits(config, target: TargetConfig, mesh: Mesh) -> None:
     limit = device_memory_bytes(mesh)
     if limit is None:
         return
-    rules = sharding.rules_of(config)
+    rules = config_lib.sharding_rules(config)
     dtypes = jnp.dtype(config.target.param_dtype), jnp.dtype(config.target.dtype)
     target_bytes = sharding.device_bytes(
         sharding.with_shardings(nnx.state(abstract_model(target, *dtypes)), mesh, rules)
@@ -135,7 +133,9 @@ def side_from_checkpoint(config, mesh: Mesh) -> TargetSide:
 
 def load_run_target(config, mesh: Mesh) -> Target:
     """The whole target of a run config, placed on `mesh` by the run's sharding rules."""
-    return target_from_config(config.target, seed=config.seed, mesh=mesh, rules=sharding.rules_of(config))
+    return target_from_config(
+        config.target, seed=config.seed, mesh=mesh, rules=config_lib.sharding_rules(config)
+    )
 
 
 def target_reader(config, load_target: Callable[[], Target]) -> TensorReader:
@@ -158,7 +158,7 @@ def _cache_complete(path: str) -> bool:
 def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]:
     """The target side and the train/val cache paths, building missing caches first.
 
-    The caches built are of the config's kind (`cache_path`): the target's states, or with
+    The caches built are of the config's kind (`caches.cache_path`): the target's states, or with
     `data.features = "online"` token rows. `data.train_cache` / `data.val_cache` name existing caches to
     use as they are (an online run reads the token rows of a cache of states too; `sources.open_source`).
     """
@@ -173,7 +173,7 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
     else:
         side = side_from_checkpoint(config, mesh)
     given = {"train": config.data.train_cache, "val": config.data.val_cache}
-    paths = {split: given[split] or cache_path(config, side.fingerprint, split) for split in given}
+    paths = {split: given[split] or caches.cache_path(config, side.fingerprint, split) for split in given}
 
     def load_target() -> Target:
         nonlocal target
@@ -183,7 +183,7 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
     draft_state.target_layer_ids(config, side.config)  # refused before the caches, not after
     draft_state.context_aux_index(config)
     config_lib.check_aux_layers(config, side.config.num_layers)
-    online_run = not reads_states(config)
+    online_run = not config_lib.reads_states(config)
     if online_run:
         check_online_fits(config, side.config, mesh)
     side = with_side_inputs(config, side, load_target)  # before the caches: its errors are cheap to find
@@ -192,7 +192,7 @@ def prepare_target_side(config, mesh: Mesh) -> tuple[TargetSide, dict[str, str]]
     for split, path in paths.items():
         if not given[split] and not _cache_complete(path):
             log.info("%s cache %s is missing or incomplete: building it", split, path)
-            prepare_split(config, split, load_target(), mesh)
+            caches.prepare(config, split, load_target(), mesh)
     if size := config.train.get("draft_vocab", 0):
         side = with_draft_vocab(side, training_vocabulary(config, side, size, paths["train"]), mesh)
     return side, paths
@@ -203,7 +203,7 @@ def training_vocabulary(config, side: TargetSide, size: int, path: str | None = 
     the target's EOS ids: the run's draft vocabulary (`inference.vocabulary`), the same for training and
     decoding. Only the training split (`path`, default the run's) is counted, so no evaluation prompt's
     reply shapes it."""
-    path = path or config.data.train_cache or cache_path(config, side.fingerprint, "train")
+    path = path or config.data.train_cache or caches.cache_path(config, side.fingerprint, "train")
     try:
         source = CacheDataSource(path, read_states=False)
     except FileNotFoundError:

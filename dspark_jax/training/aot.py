@@ -153,13 +153,13 @@ def step_memory(
     rest = _placed(rest, replicated)
     frozen = _frozen(config, target, mesh, rules)
     step_features = None
-    if not batch_lib.reads_states(config):  # online: the whole target rides along, its forward in the step
+    if not config_lib.reads_states(config):  # online: the whole target rides along, its forward in the step
         model = abstract_model(target, jnp.dtype(config.target.param_dtype), jnp.dtype(config.target.dtype))
         frozen = frozen._replace(target_state=sharding.with_shardings(nnx.state(model), mesh, rules))
         step_features = online.online_features(config, model)
     rows = _global_rows(micro_batch, mesh, rules)
     batch = _batch(
-        batch_lib.abstract_device_batch(rows, batch_lib.Dims.of(config, target.hidden_size)), mesh, rules
+        batch_lib.abstract_device_batch(rows, config_lib.batch_dims(config, target.hidden_size)), mesh, rules
     )
 
     micro_fn = functools.partial(

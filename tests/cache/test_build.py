@@ -12,18 +12,17 @@ from configs import base
 from dspark_jax.cache import CacheDataSource, verify
 from dspark_jax.cache.build import (
     DROP_REASONS,
+    SplitFiles,
     TokenizedSamples,
     build_cache,
-    cache_settings,
     cache_spec,
     count_dropped,
     cut_turns,
     prepare_split,
-    regen_settings,
-    settings_key,
     tokenize_all,
 )
 from dspark_jax.data.regenerate import run_file
+from dspark_jax.run.caches import cache_settings, prepare, regen_settings, settings_key, split_spec
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import tokenize_conversation
 from dspark_jax.target.generate import prompt_bucket
@@ -122,7 +121,7 @@ def test_bad_regen_max_turns_fails_before_reading_the_source():
     config.data.regen_max_turns = 0
     config.data.train_source = "/nonexistent/conversations.jsonl"
     with pytest.raises(ValueError, match=r"data\.regen_max_turns"):
-        prepare_split(config, "train", target=None, mesh=None)
+        prepare_split(split_spec(config, "train"), SplitFiles("", "", ""), target=None, mesh=None)
 
 
 def test_count_dropped_names_every_reason():
@@ -174,7 +173,7 @@ def test_prepare_split_cuts_turns_counts_drops_and_keeps_gs_paths(target, mesh1,
     config.data.regen_chunk_size = 2
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "local"))
     with fake_gcs(tmp_path / "gcs"):
-        report = prepare_split(config, "train", target, mesh1, build=False)
+        report = prepare(config, "train", target, mesh1, build=False)
     root = f"gs://bucket/dspark/{target.fingerprint[:12]}"
     cache_dir = f"train_cache-{settings_key(cache_settings(config, 'train'))}"
     replies_file = f"train_replies-{settings_key(regen_settings(config, 'train'))}.jsonl"
@@ -214,7 +213,7 @@ def test_without_regeneration_the_cache_holds_the_sources_replies_and_the_target
     config.data.regen_max_turns = 2
     config.data.max_length = 96
     config.data.regenerate = False
-    report = prepare_split(config, "train", target, mesh1)
+    report = prepare(config, "train", target, mesh1)
     assert report["replies"] is None and not list((tmp_path / "caches").rglob("*replies*"))
     assert (report["samples"], report["dropped"]["no_assistant_reply"]) == (3, 1)
     assert "regenerate" in cache_settings(config, "train")

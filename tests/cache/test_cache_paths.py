@@ -6,14 +6,7 @@ import pytest
 
 from configs import base
 from dspark_jax import cache
-from dspark_jax.cache.build import (
-    cache_path,
-    cache_root,
-    cache_settings,
-    regen_settings,
-    replies_path,
-    settings_key,
-)
+from dspark_jax.run.caches import cache_path, cache_settings, regen_settings, replies_path, root, settings_key
 from tests.cache.test_cache import SPEC, assert_same_sample, build, make_samples
 
 FINGERPRINT = "0123456789abcdef0123456789abcdef"
@@ -49,7 +42,7 @@ def test_gs_cache_dir_is_kept():
     got = cache_path(config("gs://bucket/dspark"), FINGERPRINT, "train")
     assert got == f"gs://bucket/dspark/0123456789ab/{TRAIN}"
     assert "gs://" in got and "gs:/b" not in got
-    assert cache_root(config("gs://bucket/dspark")) == "gs://bucket/dspark"
+    assert root(config("gs://bucket/dspark")) == "gs://bucket/dspark"
     assert (
         cache_path(config("gs://bucket/dspark/"), FINGERPRINT, "val")
         == f"gs://bucket/dspark/0123456789ab/{VAL}"

@@ -9,8 +9,8 @@ import pytest
 
 from configs import base
 from dspark_jax import cache
-from dspark_jax.cache.build import cache_path, replies_path
 from dspark_jax.data.regenerate import read_output
+from dspark_jax.run.caches import cache_path, replies_path
 from dspark_jax.target import target_from_config
 from tests import compilation_cache
 

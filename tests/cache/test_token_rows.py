@@ -17,7 +17,8 @@ from dspark_jax.cache.build import build_cache, cache_spec, projected_bytes, tok
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.data import pipeline
 from dspark_jax.interop.deepspec_cache import write_deepspec_cache
-from dspark_jax.run import cache_info, sources, target_side
+from dspark_jax.run import cache_info, config_lib, sources, target_side
+from dspark_jax.run import caches as run_caches
 from dspark_jax.target import target_from_config
 from dspark_jax.target.chat import tokenize_conversation
 from tests.cache.test_cache import make_samples
@@ -230,8 +231,8 @@ def test_a_pipeline_with_states_refuses_token_rows(caches):
 def test_the_batch_spec_without_states():
     online = base.get_config("smoke")
     online.data.features = "online"
-    dims = batch_lib.Dims.of(online, 64)
-    assert not dims.states and batch_lib.Dims.of(base.get_config("smoke"), 64).states
+    dims = config_lib.batch_dims(online, 64)
+    assert not dims.states and config_lib.batch_dims(base.get_config("smoke"), 64).states
     names = [n for n in batch_lib.DEVICE_FIELDS if n not in ("aux_hidden", "last_hidden")]
     assert list(batch_lib.device_field_names(False)) == names
     assert list(batch_lib.abstract_device_batch(2, dims)) == names
@@ -247,7 +248,7 @@ def test_the_batch_spec_without_states():
     with pytest.raises(
         ValueError, match=r"data\.features must be one of \('offline', 'online'\), got 'both'"
     ):
-        batch_lib.reads_states(online)
+        config_lib.reads_states(online)
 
 
 def _config(features: str):
@@ -290,8 +291,8 @@ def test_prepare_split_online_stops_at_token_rows(target, mesh1, tmp_path, monke
     )
     monkeypatch.setenv("DSPARK_JAX_CACHE", str(tmp_path / "local"))
     monkeypatch.setattr(build_lib, "FeatureExtractor", _no_forward)
-    report = build_lib.prepare_split(config, "train", target, mesh1)
-    key = build_lib.settings_key(build_lib.cache_settings(config, "train"))
+    report = run_caches.prepare(config, "train", target, mesh1)
+    key = run_caches.settings_key(run_caches.cache_settings(config, "train"))
     assert report["cache"] == str(tmp_path / "caches" / target.fingerprint[:12] / f"train_tokens-{key}")
     assert report["states"] is False and report["manifest_complete"] and report["samples"] == 2
     assert report["projected_bytes"] == 5 * report["tokens"] + 8 * (2 + config.data.num_shards)
@@ -304,22 +305,22 @@ def test_prepare_split_online_stops_at_token_rows(target, mesh1, tmp_path, monke
         assert len(sources.open_source(paths[split], config, side)) == (2 if split == "train" else 1)
     offline = _config("offline")
     offline.data.update(cache_dir=config.data.cache_dir, train_source=config.data.train_source, train_limit=0)
-    assert build_lib.replies_path(offline, target.fingerprint, "train") == report["replies"]
-    assert Path(build_lib.cache_path(offline, target.fingerprint, "train")).name.startswith("train_cache-")
+    assert run_caches.replies_path(offline, target.fingerprint, "train") == report["replies"]
+    assert Path(run_caches.cache_path(offline, target.fingerprint, "train")).name.startswith("train_cache-")
     assert not list((tmp_path / "caches").rglob("aux_hidden"))
 
 
 def test_a_token_cache_key_ignores_the_aux_layers():
-    settings = build_lib.cache_settings(_config("online"), "train")
+    settings = run_caches.cache_settings(_config("online"), "train")
     assert settings["states"] is False and "aux_layer_ids" not in settings
     other = _config("online")
     other.data.aux_layer_ids = (0,)
     fingerprint = "0123456789abcdef"
-    assert build_lib.cache_path(other, fingerprint, "train") == build_lib.cache_path(
+    assert run_caches.cache_path(other, fingerprint, "train") == run_caches.cache_path(
         _config("online"), fingerprint, "train"
     )
     other.data.max_length = 128
-    assert build_lib.cache_path(other, fingerprint, "train") != build_lib.cache_path(
+    assert run_caches.cache_path(other, fingerprint, "train") != run_caches.cache_path(
         _config("online"), fingerprint, "train"
     )
 
@@ -331,9 +332,8 @@ def test_the_dry_run_counts_token_row_bytes(target, tmp_path):
     for features in ("offline", "online"):
         config = _config(features)
         config.data.update(train_source=str(source), train_limit=0)
-        sizes[features] = build_lib.projected_size(
-            config, "train", target.tokenizer, target.chat_template, 64
-        )
+        spec = run_caches.split_spec(config, "train")
+        sizes[features] = build_lib.projected_size(spec, target.tokenizer, target.chat_template, 64)
     tokens, shards = sizes["online"]["tokens_at_most"], config.data.num_shards
     assert sizes["online"]["states"] is False and tokens == sizes["offline"]["tokens_at_most"] > 0
     assert sizes["online"]["bytes_at_most"] == 5 * tokens + 8 * (1 + shards)

@@ -110,7 +110,9 @@ def table_path(config, target_fingerprint: str, tokenizer_fingerprint: str) -> s
     if config.engram.table_path:
         return config.engram.table_path
     key = _key(fit_settings(config, target_fingerprint, tokenizer_fingerprint))
-    return join_path(cache_root(config), target_fingerprint[:12], f"engram-{key}.safetensors")
+    return join_path(
+        cache_root(config.data.cache_dir, config.preset), target_fingerprint[:12], f"engram-{key}.safetensors"
+    )
 
 
 def expectations(config, tokenizer_fingerprint: str, vocab_size: int) -> dict:

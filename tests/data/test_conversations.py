@@ -215,8 +215,8 @@ def test_sharegpt_package():
 
 
 def test_packaged_prompt_files_are_disjoint_and_load_by_name():
-    """The split the README states: GSM8K test questions 1-256 validate, 257-1,319 may train; MT-Bench is
-    in neither."""
+    """The split `dspark_jax/data/README.md` and docs/data.md state: GSM8K test questions 1-256 validate,
+    257-1,319 may train; MT-Bench is in neither."""
     files = {name: read_turns_jsonl(path) for name, path in conv.PACKAGED_SOURCES.items()}
     assert {name: len(turns) for name, turns in files.items()} == {
         "gsm8k_val256": 256,

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jax.sharding import Mesh
 from ml_collections import config_dict
 
 from dspark_jax import groups, sharding
@@ -329,6 +330,49 @@ def train_seed(config) -> int:
     (a config stored before `train.seed` existed has the latter only)."""
     seed = config.train.get("seed")
     return config.seed if seed is None else seed
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """What the training loop reads of a run config, resolved once (`loop_spec`)."""
+
+    mesh: Mesh
+    rules: sharding.Rules
+    global_batch: int  # rows per optimizer step, all devices and micro-batches
+    grad_accum: int  # micro-batches per optimizer step
+    stop_step: int
+    log_every: int
+    eval_every: int  # 0: only at `stop_step`
+    eval_batches: int  # 0: the whole validation cache
+    ablate_every_eval: bool
+    checkpoint_every: int
+    max_to_keep: int
+    seed: int  # the validation batches' order
+    train_seed: int  # the draft's initialisation and the training data order
+
+    @property
+    def micro_rows(self) -> int:
+        return self.global_batch // self.grad_accum
+
+
+def loop_spec(config) -> LoopSpec:
+    """The training loop's settings of a run config, its mesh built and its sharding rules resolved."""
+    t = config.train
+    return LoopSpec(
+        mesh=sharding.make_mesh(config.mesh.to_dict()),
+        rules=sharding_rules(config),
+        global_batch=t.global_batch,
+        grad_accum=t.grad_accum,
+        stop_step=t.stop_step,
+        log_every=t.log_every,
+        eval_every=t.eval_every,
+        eval_batches=t.eval_batches,
+        ablate_every_eval=t.get("ablate_every_eval", False),  # absent from configs stored before it
+        checkpoint_every=t.checkpoint_every,
+        max_to_keep=t.max_to_keep,
+        seed=config.seed,
+        train_seed=train_seed(config),
+    )
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

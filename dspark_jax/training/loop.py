@@ -110,7 +110,8 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     config_lib.validate(config)
     workdir = epath.Path(workdir)
     check_workdir(workdir, config, allow_changed)
-    t = config.train
+    spec = config_lib.loop_spec(config)
+    mesh, rules = spec.mesh, spec.rules
     experiment = groups.get(config.experiment)
     # A run that starts from another one's checkpoint logs on the cumulative axis: its steps + `offset`.
     pretrained = draft_state.init_source(config)
@@ -118,8 +119,6 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
 
     # ---- Mesh, target side, caches -------------------------------------------------------
     stages = {"caches": -time.perf_counter()}
-    mesh = sharding.make_mesh(config.mesh.to_dict())
-    rules = config_lib.sharding_rules(config)
     side, cache_paths = target_side.prepare_target_side(config, mesh)
     train_source = sources.open_source(cache_paths["train"], config, side)
     val_source = sources.open_source(cache_paths["val"], config, side)
@@ -129,7 +128,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
 
     # ---- Draft, optimizer -------------------------------------------------------------------
     checkpointer = Checkpointer(
-        workdir / "checkpoints", max_to_keep=t.max_to_keep, save_interval_steps=t.checkpoint_every
+        workdir / "checkpoints", max_to_keep=spec.max_to_keep, save_interval_steps=spec.checkpoint_every
     )
     latest = checkpointer.latest_step()  # 0: a checkpoint written by `import_draft`
     start = latest or 0
@@ -142,18 +141,17 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     opt_state = optimizer_lib.init_optimizer_state(optimizer, params, mesh)
 
     # ---- Input pipelines ----------------------------------------------------------------------
-    micro_rows = t.global_batch // t.grad_accum
     train_iter = make_iterator(
         train_source,
         sources.pipeline_config(
-            config, side, batch_size=t.global_batch, seed=config_lib.train_seed(config), num_epochs=None
+            config, side, batch_size=spec.global_batch, seed=spec.train_seed, num_epochs=None
         ),
     )
 
     def val_batches():
         return make_iterator(
             val_source,
-            sources.pipeline_config(config, side, batch_size=micro_rows, seed=config.seed, num_epochs=1),
+            sources.pipeline_config(config, side, batch_size=spec.micro_rows, seed=spec.seed, num_epochs=1),
         )
 
     # ---- Checkpoint restore -------------------------------------------------------------------
@@ -166,7 +164,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
         )
         log.info("resumed from step %d", start)
     writer = MetricWriter(workdir, resume_step=offset + start)
-    progress = ProgressLogger(t.stop_step, start)
+    progress = ProgressLogger(spec.stop_step, start)
     meta = {"config": config_lib.to_stored(config), "pretrained_steps": offset}
 
     # ---- Compiled steps -----------------------------------------------------------------------
@@ -186,7 +184,6 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     # evaluation, or at every one with `train.ablate_every_eval`.
     eval_sums = evaluation.make_eval_sums(graphdef, experiment, side.features, ablate=False)
     ablated_eval_sums = evaluation.make_eval_sums(graphdef, experiment, side.features)
-    ablate_every_eval = t.get("ablate_every_eval", False)  # absent from configs stored before it
 
     # ---- Loop ---------------------------------------------------------------------------------
     last: dict[str, float] = {}
@@ -208,7 +205,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 f"non-finite loss or gradient at step {step}: loss={metrics['train/loss']}, "
                 f"grad_norm={metrics['train/grad_norm']}; the last checkpoint is intact"
             )
-        if step % t.log_every == 0 or step == t.stop_step:
+        if step % spec.log_every == 0 or step == spec.stop_step:
             writer.write(offset + step, metrics | ({"train/new_steps": step} if pretrained else {}))
             last = metrics
         progress.update(step, {"loss": metrics["train/loss"], "tau": metrics["train/tau_prob"]})
@@ -226,11 +223,11 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
     stages |= {"first_step": 0.0, "train": -time.perf_counter(), "eval": 0.0}
     log.info("step %d: compiling the train step (the first step takes longer)", start + 1)
     with PreemptionGuard() as guard, sharding.activation_sharding(mesh, rules):
-        for step in range(start + 1, t.stop_step + 1):
+        for step in range(start + 1, spec.stop_step + 1):
             began = time.perf_counter()
             batch = next(train_iter)
             grads = sums = None
-            for micro_batch in split_micro_batches(batch, t.grad_accum):
+            for micro_batch in split_micro_batches(batch, spec.grad_accum):
                 g, s = micro_step(state["params"], rest, side.frozen, to_global(micro_batch, mesh, rules))
                 grads, sums = (g, s) if grads is None else (accumulate(grads, g), accumulate(sums, s))
             counts = count(to_global({k: batch[k] for k in COUNTED_FIELDS}, mesh, rules))
@@ -257,7 +254,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 if side.features is not None:  # timed apart, its compile counted in the first step
                     timing = time.perf_counter()
                     one = to_global(micro_batch, mesh, rules)
-                    features["target_seconds_per_step"] = t.grad_accum * forward_seconds(
+                    features["target_seconds_per_step"] = spec.grad_accum * forward_seconds(
                         side.features, side.frozen, one
                     )
                     stages["first_step"] += time.perf_counter() - timing
@@ -267,20 +264,20 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                     )
 
             # Evaluate before saving: a kill after the save never loses this step's eval line.
-            if (t.eval_every and step % t.eval_every == 0) or step == t.stop_step:
+            if (spec.eval_every and step % spec.eval_every == 0) or step == spec.stop_step:
                 if pending is not None:
                     finish(pending)
                     pending = None
                 eval_began = time.perf_counter()
                 metrics = evaluation.evaluate(
-                    ablated_eval_sums if ablate_every_eval or step == t.stop_step else eval_sums,
+                    ablated_eval_sums if spec.ablate_every_eval or step == spec.stop_step else eval_sums,
                     experiment,
                     state["params"],
                     rest,
                     side.frozen,
                     val_batches(),
                     mesh,
-                    t.eval_batches,
+                    spec.eval_batches,
                     rules,
                 )
                 stages["eval"] += time.perf_counter() - eval_began
@@ -300,7 +297,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                 )
             # Every process reaches the preemption sync point on every step.
             stop = guard.should_stop(step)
-            if step % t.checkpoint_every == 0 or step == t.stop_step or stop:
+            if step % spec.checkpoint_every == 0 or step == spec.stop_step or stop:
                 if pending is not None:
                     finish(pending)  # never checkpoint a non-finite state
                     pending = None
@@ -317,6 +314,6 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
         features["target_seconds_per_step"] = round(features["target_seconds_per_step"], 4)
     write_summary(workdir, checkpointer, stages, offset, (start, computed), features)
     checkpointer.close()
-    if stop and step < t.stop_step:
+    if stop and step < spec.stop_step:
         raise Preempted(step)
     return last

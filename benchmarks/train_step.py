@@ -43,8 +43,6 @@ from dspark_jax import groups, sharding
 from dspark_jax.data import batch as batch_lib
 from dspark_jax.data.pipeline import to_global
 from dspark_jax.draft.model import DraftConfig, FrozenTarget, make_draft_vocab
-from dspark_jax.groups.engram import prepare as engram_prepare
-from dspark_jax.groups.engram.group import TABLE
 from dspark_jax.run import config_lib, draft_state, online
 from dspark_jax.run import optimizer as optimizer_lib
 from dspark_jax.target import TargetConfig
@@ -128,9 +126,9 @@ def time_step(
             * jax.random.normal(key[0], (target.vocab_size, target.hidden_size), config.target.param_dtype),
             0.02
             * jax.random.normal(key[1], (target.hidden_size, target.vocab_size), config.target.param_dtype),
-            {TABLE: engram_prepare.synthetic_table(config, target.vocab_size)}
-            if engram_prepare.uses_engram(config)
-            else None,
+            None
+            if experiment.synthetic_side_inputs is None
+            else dict(experiment.synthetic_side_inputs(config, target.vocab_size)),
         ),
         replicated,
     )

@@ -112,8 +112,9 @@ class Experiment:
         device pytree}`: frozen inputs the group's draft reads besides the target's matrices
         (`FrozenTarget.side_inputs`), made or loaded for this target; `load_target()` loads the full
         target when one must be built (None where nothing may be built). None = no side inputs.
-      abstract_side_inputs: `(config, vocab_size) -> {name: pytree of jax.ShapeDtypeStruct}`, the same
-        shapes with nothing computed (the ahead-of-time memory check); None with `side_inputs` None.
+      synthetic_side_inputs: `(config, vocab_size) -> {name: device pytree}` of `side_inputs`' shapes with
+        made-up values, for what needs no fitted input: timing (`benchmarks/train_step.py`) and, through
+        `jax.eval_shape`, the ahead-of-time memory check. None with `side_inputs` None.
       decode_options: `DecodeOption`s, the group's own decoding flags (recorded with every result).
       serving_gap: what a serving engine (vLLM, SGLang, TensorRT-LLM: each runs the baseline DSpark draft
         only) would need to run the group's own parameters; `python -m dspark_jax.export` refuses the group
@@ -151,7 +152,7 @@ class Experiment:
     sharding_rules: tuple[tuple[str, str | tuple[str, ...] | None], ...] = ()
     check_config: Callable[[Any], None] | None = None
     side_inputs: Callable[..., Mapping[str, Any]] | None = None
-    abstract_side_inputs: Callable[[Any, int], Mapping[str, Any]] | None = None
+    synthetic_side_inputs: Callable[[Any, int], Mapping[str, Any]] | None = None
     decode_options: tuple[DecodeOption, ...] = ()
     serving_gap: str = ""
     label: str = ""

@@ -111,11 +111,11 @@ def _frozen(config, target: TargetConfig, mesh, rules) -> FrozenTarget:
     place = lambda shape, axes: jax.ShapeDtypeStruct(
         shape, dtype, sharding=NamedSharding(mesh, sharding.logical_to_spec(axes, shape, mesh, rules))
     )
-    abstract_inputs = groups.get(config.experiment).abstract_side_inputs
+    synthetic = groups.get(config.experiment).synthetic_side_inputs
     inputs = (
         None
-        if abstract_inputs is None
-        else _placed(dict(abstract_inputs(config, v)), NamedSharding(mesh, PartitionSpec()))
+        if synthetic is None
+        else _placed(dict(jax.eval_shape(lambda: synthetic(config, v))), NamedSharding(mesh, PartitionSpec()))
     )
     frozen = FrozenTarget(place((v, h), ("vocab", "embed")), place((h, v), ("embed", "vocab")), inputs)
     if n := config.train.get("draft_vocab", 0):  # its size before the EOS ids the cache's ranking adds

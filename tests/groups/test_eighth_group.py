@@ -35,8 +35,8 @@ def side_inputs(config, *, fingerprint, tokenizer_fingerprint, vocab_size, load_
     return {PRIOR: prior_of(vocab_size)}
 
 
-def abstract_side_inputs(config, vocab_size):
-    return {PRIOR: jax.ShapeDtypeStruct((vocab_size,), jnp.float32)}
+def synthetic_side_inputs(config, vocab_size):
+    return {PRIOR: jnp.zeros((vocab_size,), jnp.float32)}
 
 
 class PriorDraft(DSparkDraft):
@@ -67,7 +67,7 @@ EIGHTH = groups.register(
         train_sums=prior_sums,
         metrics=prior_metrics,
         side_inputs=side_inputs,
-        abstract_side_inputs=abstract_side_inputs,
+        synthetic_side_inputs=synthetic_side_inputs,
     )
 )
 

@@ -43,9 +43,9 @@ def side_inputs(config, *, fingerprint, tokenizer_fingerprint, vocab_size, load_
     return {TABLE: table.to_device()}
 
 
-def abstract_side_inputs(config, vocab_size: int) -> dict:
-    """The table's shapes for the config (random rows, identity compression; nothing allocated)."""
-    return {TABLE: prepare.synthetic_table(config, vocab_size, abstract=True)}
+def synthetic_side_inputs(config, vocab_size: int) -> dict:
+    """A table of the config's shape: random rows, identity compression."""
+    return {TABLE: prepare.synthetic_table(config, vocab_size)}
 
 
 def features_at(frozen: FrozenTarget, batch: Batch, positions_BxNxK: jax.Array, valid_BxNxK) -> jax.Array:
@@ -192,7 +192,7 @@ def _register(
             sharding_rules=(("engram", None),),
             check_config=prepare.check_config,
             side_inputs=side_inputs,
-            abstract_side_inputs=abstract_side_inputs,
+            synthetic_side_inputs=synthetic_side_inputs,
             serving_gap=_HASHING + serving_gap,
         )
     )

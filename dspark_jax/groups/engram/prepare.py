@@ -229,13 +229,9 @@ def synthetic_spec(config, vocab_size: int) -> HashSpec:
     return hash_spec(config, vocab_size, vocab_size, 0)
 
 
-def synthetic_table(config, vocab_size: int, *, abstract: bool = False):
+def synthetic_table(config, vocab_size: int):
     """A device table of the config's shape with random rows and identity compression, for timing and
-    memory checks that have no fitted table (`abstract`: `ShapeDtypeStruct`s only, nothing allocated)."""
+    memory checks that have no fitted table."""
     spec = synthetic_spec(config, vocab_size)
-
-    def build():
-        rows = jax.random.normal(jax.random.key(0), (spec.num_rows, spec.head_dim))
-        return device_table(spec, np.arange(vocab_size), rows)
-
-    return jax.eval_shape(build) if abstract else build()
+    rows = jax.random.normal(jax.random.key(0), (spec.num_rows, spec.head_dim))
+    return device_table(spec, np.arange(vocab_size), rows)

@@ -5,11 +5,12 @@ Canonical names (see `expected_shapes`; linear weights are `[out_features, in_fe
 `model.embed_tokens.weight [V, H]`, per layer `model.layers.{i}.` + `self_attn.{q,k,v,o}_proj.weight`,
 `self_attn.{q,k,v}_proj.bias` (Qwen2), `self_attn.{q,k}_norm.weight` (Qwen3 and later; a gated
 attention's `q_proj` holds each head's queries then its output gate), or `linear_attn.*` (Gated DeltaNet:
-Qwen 3.5's `in_proj_{qkv,z,b,a}`, Qwen3-Next's fused `in_proj_{qkvz,ba}`, `conv1d`, `dt_bias`, `A_log`,
-`norm`, `out_proj`); `mlp.{gate,up,down}_proj.weight` or the sparse `mlp.gate.weight` (router),
-`mlp.experts.{e}.{gate,up,down}_proj.weight`, `mlp.shared_expert.*`, `mlp.shared_expert_gate.weight`;
-`input_layernorm.weight`, `post_attention_layernorm.weight`; then `model.norm.weight` and `lm_head.weight`
-(absent when the embeddings are tied). A multimodal checkpoint's `model.language_model.*` reads as `model.*`.
+the input projections its family's `linear_projections` name, e.g. Qwen 3.5's `in_proj_{qkv,z,b,a}`, then
+`conv1d`, `dt_bias`, `A_log`, `norm`, `out_proj`); `mlp.{gate,up,down}_proj.weight` or the sparse
+`mlp.gate.weight` (router), `mlp.experts.{e}.{gate,up,down}_proj.weight`, `mlp.shared_expert.*`,
+`mlp.shared_expert_gate.weight`; `input_layernorm.weight`, `post_attention_layernorm.weight`; then
+`model.norm.weight` and `lm_head.weight` (absent when the embeddings are tied). A multimodal checkpoint's
+`model.language_model.*` reads as `model.*`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from dspark_jax.target import gguf_io
+from dspark_jax.target import families, gguf_io
 from dspark_jax.target.config import (
     FULL_ATTENTION,
     TargetConfig,
@@ -93,29 +94,41 @@ def expected_shapes(config: TargetConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def linear_projection_rows(config: TargetConfig) -> dict[str, int]:
+    """Rows of each part of a Gated DeltaNet layer's input projections: queries and keys `G * D`, values and
+    the output gate `z` `J * Y`, the decay inputs `b` and `a` one per value head `J`."""
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    j = config.linear_num_value_heads
+    return dict(q=key_dim, k=key_dim, v=value_dim, z=value_dim, b=j, a=j)
+
+
+def linear_projections(config: TargetConfig) -> families.LinearProjections:
+    """How checkpoints of the family of `config` store a Gated DeltaNet layer's input projections."""
+    stored = families.FAMILIES[config.family].linear_projections
+    if stored is None:
+        hybrid = sorted(f.name for f in families.FAMILIES.values() if f.linear_projections is not None)
+        raise UnsupportedModelError(
+            f"target family {config.family!r} has no linear-attention layers; families with them: {hybrid}"
+        )
+    return stored
+
+
 def _linear_attention_shapes(config: TargetConfig, p: str) -> dict[str, tuple[int, ...]]:
-    """A Gated DeltaNet layer's tensors: Qwen3-Next fuses q/k/v/z and b/a per key head, Qwen 3.5 does not."""
-    hidden, g, j = config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads
-    key_dim, value_dim = g * config.linear_key_head_dim, j * config.linear_value_head_dim
-    conv_dim = 2 * key_dim + value_dim
-    if config.family == "qwen3_next":
-        projections = {
-            p + "in_proj_qkvz.weight": (conv_dim + value_dim, hidden),
-            p + "in_proj_ba.weight": (2 * j, hidden),
-        }
-    else:
-        projections = {
-            p + "in_proj_qkv.weight": (conv_dim, hidden),
-            p + "in_proj_z.weight": (value_dim, hidden),
-            p + "in_proj_b.weight": (j, hidden),
-            p + "in_proj_a.weight": (j, hidden),
-        }
+    """A Gated DeltaNet layer's tensors, the input projections stored as the family's `linear_projections`."""
+    hidden, j = config.hidden_size, config.linear_num_value_heads
+    rows = linear_projection_rows(config)
+    conv_dim = rows["q"] + rows["k"] + rows["v"]
+    projections = {
+        f"{p}{name}.weight": (sum(rows[x] for x in parts), hidden)
+        for name, parts in linear_projections(config).tensors
+    }
     return projections | {
         p + "conv1d.weight": (conv_dim, 1, config.linear_conv_kernel_dim),
         p + "dt_bias": (j,),
         p + "A_log": (j,),
         p + "norm.weight": (config.linear_value_head_dim,),
-        p + "out_proj.weight": (hidden, value_dim),
+        p + "out_proj.weight": (hidden, rows["v"]),
     }
 
 
@@ -335,8 +348,9 @@ class HFCheckpoint(TargetCheckpoint):
 class GGUFCheckpoint(TargetCheckpoint):
     """A llama.cpp GGUF file; quantised tensors are dequantised to float32 when read.
 
-    llama.cpp's converter reorders the q/k projection rows of 'llama' models for its interleaved
-    RoPE; reading undoes that, so every tensor equals its Hugging Face original (up to quantisation).
+    llama.cpp's converter reorders the q/k projection rows of some families (`Family.gguf_qk_permuted`,
+    e.g. 'llama') for its interleaved RoPE; reading undoes that, so every tensor equals its Hugging Face
+    original (up to quantisation).
 
     Attributes:
       reader: the memory-mapped `gguf.GGUFReader` (metadata and raw tensors).
@@ -364,7 +378,7 @@ class GGUFCheckpoint(TargetCheckpoint):
 
     def _read(self, name: str, entry: _Entry) -> np.ndarray:
         values = gguf_io.dequantize(self._tensors[name])
-        if self.config.family == "llama":
+        if families.FAMILIES[self.config.family].gguf_qk_permuted:
             if name.endswith((".q_proj.weight", ".q_proj.bias")):
                 values = gguf_io.llama_unpermute_qk(values, self.config.num_heads)
             elif name.endswith((".k_proj.weight", ".k_proj.bias")):

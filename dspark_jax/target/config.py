@@ -1,16 +1,8 @@
 """Target model configuration, read from a Hugging Face `config.json` or GGUF metadata.
 
 One dataclass describes every supported decoder-only family; the differences between families are
-flags and shapes:
-
-  llama, qwen2, qwen3   dense: every layer full attention + SwiGLU (`attention_bias`, `qk_norm`,
-                        `tie_word_embeddings`, RoPE settings).
-  qwen3_moe             Qwen3 attention; the MLP of every `decoder_sparse_step`-th layer (but those in
-                        `mlp_only_layers`) is a sparse mixture of experts.
-  qwen3_next, qwen3_5,  hybrid: `layer_types` names each layer "linear_attention" (Gated DeltaNet, the
-  qwen3_5_moe           `linear_*` shapes) or "full_attention" (with a sigmoid output gate and partial
-                        rotary embedding); RMSNorm scales are `1 + weight`; qwen3_next and qwen3_5_moe
-                        route MLPs through experts plus a gated shared expert.
+flags and shapes, and which flags a checkpoint's family sets is its record in `families` (looked up by
+`config.json`'s `model_type` or GGUF's `general.architecture`).
 """
 
 from __future__ import annotations
@@ -22,22 +14,8 @@ from typing import Any
 
 import numpy as np
 
-# Hugging Face `model_type` / GGUF `general.architecture` -> our family name. Qwen 3.5's multimodal
-# checkpoints nest the text model's config under `text_config` (model_type `qwen3_5_text`).
-_HF_FAMILIES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "qwen3_next": "qwen3_next",
-    "qwen3_5": "qwen3_5",
-    "qwen3_5_text": "qwen3_5",
-    "qwen3_5_moe": "qwen3_5_moe",
-    "qwen3_5_moe_text": "qwen3_5_moe",
-}
-_GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_HYBRID = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-_MOE = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
+from dspark_jax.target import families
+
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 # Fields added with the sparse and hybrid families (written only when set, see `TargetConfig.to_json`).
 _LATER_FIELDS = (
@@ -70,7 +48,7 @@ class TargetConfig:
     """Shape and numerics of a frozen target LLM.
 
     Attributes:
-      family: 'llama' (Llama 3, SmolLM2), 'qwen2' (Qwen2/2.5) or 'qwen3' (Qwen3 dense).
+      family: the name of a registered family (`families.FAMILIES`, e.g. 'llama', 'qwen3').
       vocab_size: rows of the embedding and LM head.
       hidden_size: width of the residual stream, `H`.
       intermediate_size: SwiGLU hidden width.
@@ -135,9 +113,9 @@ class TargetConfig:
     mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.family not in _HF_FAMILIES.values():
+        if self.family not in families.FAMILIES:
             raise UnsupportedModelError(
-                f"unknown target family {self.family!r}; supported: {sorted(set(_HF_FAMILIES.values()))}"
+                f"unknown target family {self.family!r}; supported: {families.names()}"
             )
         for name in (
             "vocab_size",
@@ -283,12 +261,12 @@ def _as_id_tuple(value: int | Sequence[int] | None) -> tuple[int, ...]:
 def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> TargetConfig:
     """Builds a TargetConfig from a Hugging Face `config.json` dictionary (a multimodal Qwen 3.5
     checkpoint's text model from its `text_config`)."""
-    model_type = cfg.get("model_type")
-    if model_type not in _HF_FAMILIES:
+    model_type, readers = cfg.get("model_type"), families.by_model_type()
+    if model_type not in readers:
         raise UnsupportedModelError(
-            f"{source}: model_type {model_type!r} is not supported; supported: {sorted(_HF_FAMILIES)}"
+            f"{source}: model_type {model_type!r} is not supported; supported: {sorted(readers)}"
         )
-    family = _HF_FAMILIES[model_type]
+    family = readers[model_type]
     if isinstance(cfg.get("text_config"), Mapping):
         cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **cfg["text_config"]}
     try:
@@ -307,9 +285,8 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Targe
                 factors = _llama3_freq_factors(scaling, int(head_dim * partial), theta)
             elif kind not in (None, "default"):
                 raise UnsupportedModelError(f"{source}: rope_scaling type {kind!r} is not supported")
-        hybrid = family in _HYBRID
         layer_types: tuple[str, ...] = ()
-        if hybrid:
+        if family.linear_projections is not None:
             interval = int(cfg.get("full_attention_interval", 4))
             layer_types = tuple(
                 cfg.get("layer_types")
@@ -318,13 +295,13 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Targe
                 ]
             )
         moe = {}
-        if family in _MOE:
+        if family.moe:
             moe = dict(
                 num_experts=int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]),
                 num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                 moe_intermediate_size=int(cfg["moe_intermediate_size"]),
                 shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0))
-                if family != "qwen3_moe"
+                if family.shared_expert
                 else 0,
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
@@ -343,7 +320,7 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Targe
                 )
             }
         return TargetConfig(
-            family=family,
+            family=family.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg.get("intermediate_size") or 0),
@@ -354,16 +331,16 @@ def from_hf_config(cfg: Mapping[str, Any], source: str = "config.json") -> Targe
             rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-            qk_norm=family not in ("llama", "qwen2"),
+            attention_bias=bool(cfg.get("attention_bias", family.attention_bias)),
+            qk_norm=family.qk_norm,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             rope_freq_factors=factors,
             bos_token_id=None if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
             eos_token_ids=_as_id_tuple(cfg.get("eos_token_id")),
             layer_types=layer_types,
-            attn_output_gate=hybrid,
+            attn_output_gate=family.attn_output_gate,
             partial_rotary_factor=partial,
-            norm_unit_offset=hybrid,
+            norm_unit_offset=family.norm_unit_offset,
             **linear,
             **moe,
         )
@@ -379,12 +356,11 @@ def from_gguf_metadata(
     `metadata` maps GGUF keys (e.g. 'llama.embedding_length') to Python values; tied
     embeddings are detected by the absence of an `output.weight` tensor.
     """
-    arch = metadata.get("general.architecture")
-    if arch not in _GGUF_FAMILIES:
+    arch, readers = metadata.get("general.architecture"), families.by_gguf_architecture()
+    if arch not in readers:
         raise UnsupportedModelError(
-            f"{source}: general.architecture {arch!r} is not supported; supported: {sorted(_GGUF_FAMILIES)}"
+            f"{source}: general.architecture {arch!r} is not supported; supported: {sorted(readers)}"
         )
-    family = _GGUF_FAMILIES[arch]
 
     def get(key, default=None):
         full = f"{arch}.{key}"
@@ -417,7 +393,7 @@ def from_gguf_metadata(
     eot = metadata.get("tokenizer.ggml.eot_token_id")
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     return TargetConfig(
-        family=family,
+        family=readers[arch].name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),

@@ -17,8 +17,9 @@ from jax.sharding import Mesh
 
 from dspark_jax import sharding
 from dspark_jax.nn import Dtype
-from dspark_jax.target.checkpoint import TargetCheckpoint
+from dspark_jax.target.checkpoint import TargetCheckpoint, linear_projection_rows, linear_projections
 from dspark_jax.target.config import TargetConfig
+from dspark_jax.target.families import LINEAR_PARTS
 from dspark_jax.target.model import Transformer
 
 # Our variable path (below 'layers.{i}') -> (HF name below 'model.layers.{i}', layout change).
@@ -54,7 +55,6 @@ _TOP_TENSORS: dict[tuple[str, ...], tuple[str, str]] = {
 }
 # Experts stored one SwiGLU per expert: our stacked variable -> the per-expert HF name below `mlp.`.
 _EXPERT_TENSORS = {"gate_XxHxI": "gate_proj", "up_XxHxI": "up_proj", "down_XxIxH": "down_proj"}
-_LINEAR_PARTS = ("q", "k", "v", "z", "b", "a")
 
 
 def hf_source(path: tuple) -> tuple[str, str]:
@@ -81,22 +81,19 @@ def to_model_layout(hf_value: np.ndarray, layout: str, shape: tuple[int, ...]) -
 
 
 def _linear_attention_rows(
-    cfg: TargetConfig, read: Callable[[str], np.ndarray], p: str
-) -> dict[str, np.ndarray]:
-    """A Gated DeltaNet layer's q/k/v/z/b/a projection rows `[out, H]`, split from the checkpoint's fused
-    tensors: Qwen 3.5 stores `[q; k; v]`, `z`, `b`, `a`; Qwen3-Next interleaves them per key head."""
-    g, j = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    d, y, e = cfg.linear_key_head_dim, cfg.linear_value_head_dim, j // g
-    if cfg.family == "qwen3_next":
-        qkvz = read(p + "in_proj_qkvz.weight").reshape(g, 2 * d + 2 * e * y, -1)
-        ba = read(p + "in_proj_ba.weight").reshape(g, 2 * e, -1)
-        cuts = np.cumsum([d, d, e * y])
-        q, k, v, z = np.split(qkvz, cuts, axis=1)
-        b, a = np.split(ba, [e], axis=1)
-        return {name: x.reshape(-1, x.shape[-1]) for name, x in zip(_LINEAR_PARTS, (q, k, v, z, b, a))}
-    q, k, v = np.split(read(p + "in_proj_qkv.weight"), [g * d, 2 * g * d])
-    rows = dict(q=q, k=k, v=v)
-    return rows | {name: read(f"{p}in_proj_{name}.weight") for name in ("z", "b", "a")}
+    cfg: TargetConfig, read: Callable[[str], np.ndarray], p: str, part: str
+) -> np.ndarray:
+    """The projection rows `[out, H]` of one part of a Gated DeltaNet layer (`LINEAR_PARTS`), cut from the
+    checkpoint tensor that stacks it with others, part by part or key head by key head
+    (`checkpoint.linear_projections`)."""
+    stored, rows = linear_projections(cfg), linear_projection_rows(cfg)
+    name, parts = next((name, parts) for name, parts in stored.tensors if part in parts)
+    heads = cfg.linear_num_key_heads if stored.per_key_head else 1
+    sizes = [rows[x] // heads for x in parts]  # each part's rows per key head (or in all)
+    i = parts.index(part)
+    start = sum(sizes[:i])
+    weight = read(f"{p}{name}.weight").reshape(heads, sum(sizes), -1)
+    return weight[:, start : start + sizes[i]].reshape(rows[part], -1)
 
 
 def _split_conv_taps(cfg: TargetConfig, weight_Cx1xK: np.ndarray) -> dict[str, np.ndarray]:
@@ -121,8 +118,8 @@ def tensor_reader(ckpt: TargetCheckpoint) -> TensorReader:
     def read(path, shape):
         if path[0] == "layers" and len(path) >= 4:
             prefix, sub = f"model.layers.{path[1]}.", tuple(path[2:])
-            if sub[0] == "linear_attn" and sub[1] in _LINEAR_PARTS:
-                rows = _linear_attention_rows(cfg, ckpt.read, prefix + "linear_attn.")[sub[1]]
+            if sub[0] == "linear_attn" and sub[1] in LINEAR_PARTS:
+                rows = _linear_attention_rows(cfg, ckpt.read, prefix + "linear_attn.", sub[1])
                 return to_model_layout(rows, "in_heads", shape)
             if sub[0] == "linear_attn" and sub[1].endswith("_taps"):
                 taps = _split_conv_taps(cfg, ckpt.read(prefix + "linear_attn.conv1d.weight"))[sub[1]]

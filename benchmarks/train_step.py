@@ -127,8 +127,8 @@ def time_step(
             0.02
             * jax.random.normal(key[1], (target.hidden_size, target.vocab_size), config.target.param_dtype),
             None
-            if experiment.synthetic_side_inputs is None
-            else dict(experiment.synthetic_side_inputs(config, target.vocab_size)),
+            if experiment.run.synthetic_side_inputs is None
+            else dict(experiment.run.synthetic_side_inputs(config, target.vocab_size)),
         ),
         replicated,
     )

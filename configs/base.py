@@ -129,7 +129,7 @@ Keys:
   train.eval_every          steps between validation evaluations (0 = only at the end).
   train.eval_batches        validation batches per evaluation (0 = the whole validation cache).
   train.ablate_every_eval   measure the evaluation's ablations (tau_prob without the target context, and a
-                            group's own: `Experiment.evaluation_ablations`, one forward each) at every
+                            group's own: `Experiment.report.evaluation_ablations`, one forward each) at every
                             evaluation; False = at the run's last one only.
   train.seed                the draft's initialisation and the training data order (None = `seed`): runs
                             of one experiment with other `train.seed`s share the caches, the target and

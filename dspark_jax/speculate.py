@@ -13,7 +13,7 @@ decoded by the target alone (same sampling, concurrency and max length) for the 
 and at temperature 0 the two outputs are compared token for token. `--offline` adds the
 teacher-forced metrics (tau_prob, accept_rate_i) of the same checkpoint on the validation
 cache, which holds the target's replies to the GSM8K-256 prompts. A group may add flags of its own
-(`Experiment.decode_options`, listed by `--help`; e.g. Draft Memory's next-round memory source), which
+(`Experiment.run.decode_options`, listed by `--help`; e.g. Draft Memory's next-round memory source), which
 only its checkpoints take.
 `--schedule=confidence` lets the hardware-aware prefix scheduler choose how many proposals each request
 verifies per cycle, from the confidence head calibrated by `python -m dspark_jax.calibrate` (required

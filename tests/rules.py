@@ -5,5 +5,5 @@ from dspark_jax import groups, sharding
 
 ALL_GROUPS = (
     *sharding.DEFAULT_RULES,
-    *dict.fromkeys(rule for experiment in groups.registered() for rule in experiment.sharding_rules),
+    *dict.fromkeys(rule for experiment in groups.registered() for rule in experiment.run.sharding_rules),
 )

@@ -178,10 +178,10 @@ def group_words() -> set[str]:
     base_settings = {f.name for f in dataclasses.fields(DraftConfig)}
     words = set()
     for e in groups.registered():
-        keys = [*e.shape_keys, *e.resumable_keys, *(option.key for option in e.decode_options)]
-        sections = {k.split(".")[0] for k in keys} | {s for s, _ in (*e.path_keys, *e.source_keys)}
+        keys = [*e.run.shape_keys, *e.run.resumable_keys, *(option.key for option in e.run.decode_options)]
+        sections = {k.split(".")[0] for k in keys} | {s for s, _ in (*e.run.path_keys, *e.run.source_keys)}
         words |= {e.name, *(k.rsplit(".", 1)[-1] for k in keys), *(sections - shared)}
-        words |= {f.name for f in dataclasses.fields(e.config_class)} - base_settings
+        words |= {f.name for f in dataclasses.fields(e.model.config_class)} - base_settings
     words |= {w.split("_")[0] for w in words}  # 'rerank_width' -> 'rerank', 'engram_markov' -> 'engram'
     return {w.lower() for w in words} - set(GENERIC)
 

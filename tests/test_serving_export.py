@@ -346,7 +346,7 @@ def test_a_group_no_engine_runs_is_refused_naming_what_is_missing_where(group, t
         "vLLM (Qwen3DSparkForCausalLM), SGLang (Qwen3DSparkModel) and TensorRT-LLM (DSpark) would need"
         in message
     )
-    gap = groups.get(group).serving_gap
+    gap = groups.get(group).run.serving_gap
     assert gap and gap in message and "--baseline_part" in message
     assert not (tmp_path / "out").exists()
 

@@ -143,7 +143,7 @@ class DraftVocab(NamedTuple):
 
 class FrozenTarget(NamedTuple):
     """The target's frozen embedding `[V, H]` and LM head `[H, V]` used by the draft, plus the frozen side
-    inputs of the run's group (`{name: pytree}`, declared by `Experiment.side_inputs`; None: none), in
+    inputs of the run's group (`{name: pytree}`, declared by `Experiment.run.side_inputs`; None: none), in
     online training the target's whole parameter state, which the step's feature pass runs (None
     offline: the states come from the cache), and an optional `DraftVocab`, the only tokens the draft's
     logits cover in training and at decoding (None: the whole vocabulary)."""

@@ -8,7 +8,7 @@ import jax
 
 from dspark_jax.draft import blocks, objective
 from dspark_jax.draft.model import DraftMemory, DSparkDraft, FrozenTarget, vocab_columns
-from dspark_jax.groups.registry import HIDE_CONTEXT, Batch, Design, Experiment, register
+from dspark_jax.groups.registry import HIDE_CONTEXT, Batch, Design, Experiment, Model, Report, register
 
 
 def block_states(
@@ -90,15 +90,16 @@ def draft_sums(model: DSparkDraft, frozen: FrozenTarget, batch: Batch) -> dict[s
 BASELINE = register(
     Experiment(
         name="baseline",
-        build_draft=DSparkDraft,
-        train_sums=draft_sums,
-        label="Baseline",
-        suites=("seed",),
-        design=Design(
-            initialisation="from scratch",
-            updates="the whole draft (backbone, Markov head, confidence head), DSpark loss",
-            adds="nothing: the reference",
-            question="how far the original DSpark structure converges as the training budget grows",
+        model=Model(build_draft=DSparkDraft, train_sums=draft_sums),
+        report=Report(
+            label="Baseline",
+            suites=("seed",),
+            design=Design(
+                initialisation="from scratch",
+                updates="the whole draft (backbone, Markov head, confidence head), DSpark loss",
+                adds="nothing: the reference",
+                question="how far the original DSpark structure converges as the training budget grows",
+            ),
         ),
     )
 )

@@ -69,11 +69,10 @@ class Design:
 
 
 @dataclasses.dataclass(frozen=True)
-class Experiment:
-    """Everything that differs per experiment group.
+class Model:
+    """A group's draft: how it is built, trained, evaluated and how it drafts at inference.
 
     Attributes:
-      name: the `config.experiment` value.
       build_draft: `(cfg, rngs=...) -> draft module` (an `nnx.Module` with `cfg`, `dtype`,
         `context`, `context_kv`, `backbone` and `layers` for inference, e.g. `DSparkDraft`).
       train_sums: the train step's forward on one micro-batch (the fields of `data.batch`):
@@ -95,8 +94,30 @@ class Experiment:
       init_from: the group whose checkpoint (`config.init.checkpoint`, at `config.init.step`) a new run
         starts from: its parameters are restored into the same names (an exact match, checked), the
         rest keep their initialisation; None = from scratch.
+    """
 
-    What the group adds to a run's config and inputs (shared code knows none of these by name):
+    build_draft: Callable[..., nnx.Module]
+    train_sums: SumsFn
+    eval_sums: SumsFn | None = None
+    loss_terms: objective.LossTerms = dataclasses.field(default_factory=lambda: objective.DSPARK_LOSS)
+    metrics: Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]] = objective.metrics_from_sums
+    proposer: Proposer = DSPARK_PROPOSER
+    config_class: type[DraftConfig] = DraftConfig
+    trainable: Callable[[Any], Any] | None = None
+    prefixes: Callable[[nnx.Module, FrozenTarget, Batch], tuple[jax.Array, jax.Array]] | None = None
+    prefixes_note: str = ""
+    init_from: str | None = None
+
+    @property
+    def evaluation_sums(self) -> SumsFn:
+        return self.eval_sums or self.train_sums
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a group adds to a run's config and inputs (shared code knows none of these by name).
+
+    Attributes:
       shape_keys: config keys (or sections) that fix the group's own parameters, beyond the base draft's
         (`run.config_lib.SHAPE_KEYS`); a `--config` or a resumed run that changes one is refused.
       resumable_keys: config keys of the group that a resumed run may change.
@@ -119,32 +140,8 @@ class Experiment:
       serving_gap: what a serving engine (vLLM, SGLang, TensorRT-LLM: each runs the baseline DSpark draft
         only) would need to run the group's own parameters; `python -m dspark_jax.export` refuses the group
         with it unless asked for the baseline part alone. Empty for a group with no parameter of its own.
-
-    How reports show it:
-      label: the display name (default: `name`).
-      design: the group's row of the seed's group table (None: not in it).
-      suites: the experiment suites (`python -m dspark_jax.experiments --suite=...`) the group belongs to;
-        a suite runs its groups in registration order, and a group with `init_from` after that group's
-        final checkpoint.
-      report_columns: `(metric, column title)` of the group's own `eval/` metrics in a suite's results
-        table (blank for the groups without them).
-      report_note: one sentence on how to read the group's figures, under the results table.
-      ablations: the group's own inputs whose removal evaluation measures (`Ablation`), besides the
-        target context every group is measured without (`WITHOUT_CONTEXT`).
     """
 
-    name: str
-    build_draft: Callable[..., nnx.Module]
-    train_sums: SumsFn
-    eval_sums: SumsFn | None = None
-    loss_terms: objective.LossTerms = dataclasses.field(default_factory=lambda: objective.DSPARK_LOSS)
-    metrics: Callable[[Mapping[str, jax.Array]], dict[str, jax.Array]] = objective.metrics_from_sums
-    proposer: Proposer = DSPARK_PROPOSER
-    config_class: type[DraftConfig] = DraftConfig
-    trainable: Callable[[Any], Any] | None = None
-    prefixes: Callable[[nnx.Module, FrozenTarget, Batch], tuple[jax.Array, jax.Array]] | None = None
-    prefixes_note: str = ""
-    init_from: str | None = None
     shape_keys: tuple[str, ...] = ()
     resumable_keys: tuple[str, ...] = ()
     path_keys: tuple[tuple[str, str], ...] = ()
@@ -155,6 +152,25 @@ class Experiment:
     synthetic_side_inputs: Callable[[Any, int], Mapping[str, Any]] | None = None
     decode_options: tuple[DecodeOption, ...] = ()
     serving_gap: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """How reports show a group, and what its evaluation removes.
+
+    Attributes:
+      label: the display name (default: the group's `name`).
+      design: the group's row of the seed's group table (None: not in it).
+      suites: the experiment suites (`python -m dspark_jax.experiments --suite=...`) the group belongs to;
+        a suite runs its groups in registration order, and a group with `Model.init_from` after that
+        group's final checkpoint.
+      report_columns: `(metric, column title)` of the group's own `eval/` metrics in a suite's results
+        table (blank for the groups without them).
+      report_note: one sentence on how to read the group's figures, under the results table.
+      ablations: the group's own inputs whose removal evaluation measures (`Ablation`), besides the
+        target context every group is measured without (`WITHOUT_CONTEXT`).
+    """
+
     label: str = ""
     design: Design | None = None
     suites: tuple[str, ...] = ()
@@ -167,13 +183,26 @@ class Experiment:
         """What evaluation removes, one input at a time: the target context, then the group's own."""
         return (WITHOUT_CONTEXT, *self.ablations)
 
-    @property
-    def display_name(self) -> str:
-        return self.label or self.name
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """Everything that differs per experiment group.
+
+    Attributes:
+      name: the `config.experiment` value.
+      model: the draft and its training, evaluation and decoding (`Model`).
+      run: what the group adds to a run's config and inputs (`Run`; default: nothing).
+      report: how reports show it (`Report`; default: under its name, in no suite).
+    """
+
+    name: str
+    model: Model
+    run: Run = Run()
+    report: Report = Report()
 
     @property
-    def evaluation_sums(self) -> SumsFn:
-        return self.eval_sums or self.train_sums
+    def display_name(self) -> str:
+        return self.report.label or self.name
 
 
 _REGISTRY: dict[str, Experiment] = {}
@@ -203,7 +232,7 @@ def decode_options() -> dict[str, tuple[DecodeOption, list[str]]]:
     """Every group's decoding flags: `{flag: (option, the groups that have it)}`."""
     out: dict[str, tuple[DecodeOption, list[str]]] = {}
     for name, experiment in sorted(_REGISTRY.items()):
-        for option in experiment.decode_options:
+        for option in experiment.run.decode_options:
             out.setdefault(option.flag, (option, []))[1].append(name)
     return out
 

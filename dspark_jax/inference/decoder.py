@@ -115,7 +115,7 @@ class SpeculativeDecoder(BatchedDecoding):
     Args:
       target: the target model. draft_graphdef/params/rest: the draft split by `nnx.split`.
       frozen: the target's embedding and LM head as the draft reads them.
-      proposer: how the draft's experiment group makes a block (`experiments.get(name).proposer`).
+      proposer: how the draft's experiment group makes a block (`groups.get(name).model.proposer`).
       aux_layer_ids: the target layers the draft was trained on.
       batch_size: concurrent requests per compiled program.
       select_top_k: draft tokens are chosen among each slot's K best base logits (0 = all; see

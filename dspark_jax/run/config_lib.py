@@ -71,10 +71,10 @@ def resolve_path(path: str) -> str:
 
 
 def _group_keys(config, field: str) -> tuple:
-    """The `field` keys (`shape_keys`, `resumable_keys`, `path_keys`, `source_keys`) that the config's group
-    adds; none for a group that is not registered (`validate` names it)."""
+    """The `field` entries of the config's group's `Run` (`shape_keys`, `resumable_keys`, `path_keys`,
+    `source_keys`, `sharding_rules`); none for a group that is not registered (`validate` names it)."""
     experiment = groups.find(_as_dict(config).get("experiment", ""))
-    return getattr(experiment, field) if experiment else ()
+    return getattr(experiment.run, field) if experiment else ()
 
 
 def sharding_rules(config) -> sharding.Rules:
@@ -113,7 +113,7 @@ def batch_dims(config, hidden_size: int) -> Dims:
 
 
 # Keys whose values fix the base draft's parameter tree (names, shapes) or which target it reads; a group
-# adds its own (`Experiment.shape_keys`).
+# adds its own (`Experiment.run.shape_keys`).
 SHAPE_KEYS = (
     "experiment",
     "draft.num_layers",
@@ -131,7 +131,7 @@ SHAPE_KEYS = (
 )
 
 # Keys a resumed run may change: where it stops, how it logs and saves, how the same math is laid out; a
-# group adds its own (`Experiment.resumable_keys`).
+# group adds its own (`Experiment.run.resumable_keys`).
 RESUMABLE_KEYS = (
     "train.stop_step",
     "train.log_every",
@@ -158,7 +158,7 @@ def validate(config) -> None:
         experiment = groups.get(config.experiment)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    draft_class = experiment.config_class
+    draft_class = experiment.model.config_class
     settable = {f.name for f in dataclasses.fields(draft_class)} - set(draft_class.TARGET_FIELDS)
     for key in config.draft:
         if key not in settable:
@@ -213,8 +213,8 @@ def validate(config) -> None:
     if config.draft.attention not in IMPLEMENTATIONS:
         raise UsageError(f"draft.attention={config.draft.attention!r} must be one of {IMPLEMENTATIONS}")
     _check_block_sizes(config.draft)
-    if experiment.check_config is not None:
-        experiment.check_config(config)
+    if experiment.run.check_config is not None:
+        experiment.run.check_config(config)
     if config.draft.block_size != 7:
         log.warning("draft.block_size=%d differs from DSpark's 7", config.draft.block_size)
 

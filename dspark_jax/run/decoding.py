@@ -44,7 +44,7 @@ def speculative_decoder(
         target.model,
         *draft,
         side.frozen,
-        proposer=groups.get(config.experiment).proposer,
+        proposer=groups.get(config.experiment).model.proposer,
         aux_layer_ids=config.data.aux_layer_ids,
         eos_ids=target.eos_ids,
         pad_id=target.tokenizer.pad_id,

@@ -6,7 +6,7 @@ that `Qwen3DSparkModel.from_pretrained` finds all of its weights), and `config.j
 target's config. `import_draft` reads such a directory into a new work directory as step 0 of a run of
 the given config: orbax, the layout training writes (parameters, a fresh optimizer state, the stored
 config in the meta item), so `evaluate` and `speculate` take it like a trained run, and a group that
-starts from a baseline run (`Experiment.init_from`) starts from it (`init.checkpoint` = that work
+starts from a baseline run (`Experiment.model.init_from`) starts from it (`init.checkpoint` = that work
 directory, `init.step=0`). Both check everything (the group's parameter names, the config, every
 tensor's name and shape) before writing.
 """
@@ -98,7 +98,7 @@ def _left_out(config, cfg, shapes: dict[layout.ParamPath, tuple[int, ...]], name
     extra = sorted({str(p[0]) + (".*" if len(p) > 1 else "") for p in shapes if p not in named})
     if not extra:
         return []
-    gap = groups.get(config.experiment).serving_gap or "code for them (the group names no serving_gap)"
+    gap = groups.get(config.experiment).run.serving_gap or "code for them (the group names no serving_gap)"
     if not baseline_part:
         raise ValueError(
             f"experiment group {config.experiment!r}: parameters {', '.join(extra)} run in no serving "

@@ -1,5 +1,5 @@
 """The draft of a run: its config from the `draft` section, abstract shapes, a fresh initialisation straight
-into its shardings, a warm start from another group's run (`Experiment.init_from`) and a restore from a
+into its shardings, a warm start from another group's run (`Experiment.model.init_from`) and a restore from a
 checkpoint."""
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ log = logging.getLogger(__name__)
 
 def draft_config(config, target: TargetConfig):
     """The draft config of `config`: its whole `draft` section plus what the target fixes."""
-    cls = groups.get(config.experiment).config_class
+    cls = groups.get(config.experiment).model.config_class
     return cls.from_config(config.draft, target, num_aux=len(config.data.aux_layer_ids))
 
 
 def abstract_draft(config, target: TargetConfig) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """`(graphdef, params, rest)` of the config's draft as `ShapeDtypeStruct`s (nothing allocated)."""
-    build = groups.get(config.experiment).build_draft
+    build = groups.get(config.experiment).model.build_draft
     cfg = draft_config(config, target)
     seed = config_lib.train_seed(config)
     return nnx.split(nnx.eval_shape(lambda: build(cfg, rngs=nnx.Rngs(seed))), nnx.Param, ...)
@@ -43,7 +43,7 @@ def abstract_draft(config, target: TargetConfig) -> tuple[nnx.GraphDef, nnx.Stat
 def _build_state(config, target: TargetConfig, mesh: Mesh, *, with_params: bool):
     """`(params, rest)` (params None unless `with_params`) of a new draft, initialised under `jit` straight
     into their shardings (no full host copy at paper shapes; unused parts are never computed)."""
-    build = groups.get(config.experiment).build_draft
+    build = groups.get(config.experiment).model.build_draft
     cfg = draft_config(config, target)
     _, abstract_params, abstract_rest = abstract_draft(config, target)
     replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -223,27 +223,27 @@ def _context_pass_through(placed: list, aux: int, hidden: int, layer: int, read_
 def init_source(config) -> tuple[epath.Path, int] | None:
     """`(checkpoints directory, step)` a run of an `init_from` group starts from, checked before any work:
     it exists, holds that step, and was trained by that group with the same shapes. None for other groups."""
-    experiment = groups.get(config.experiment)
-    if experiment.init_from is None:
+    source_group = groups.get(config.experiment).model.init_from
+    if source_group is None:
         return None
     init = config.init
     if not init.checkpoint:
         raise config_lib.UsageError(
-            f"config.init.checkpoint is empty: {config.experiment} starts from a {experiment.init_from} run "
-            f"(train one with python -m dspark_jax.train --config=configs/{experiment.init_from}.py)"
+            f"config.init.checkpoint is empty: {config.experiment} starts from a {source_group} run "
+            f"(train one with python -m dspark_jax.train --config=configs/{source_group}.py)"
         )
     try:
         directory, _ = checkpoints.resolve_checkpoint(init.checkpoint)
         stored = checkpoints.run_config(init.checkpoint)
     except FileNotFoundError as e:
         raise config_lib.UsageError(f"config.init.checkpoint: {e}") from None
-    if stored.experiment != experiment.init_from:
+    if stored.experiment != source_group:
         raise config_lib.UsageError(
             f"config.init.checkpoint {init.checkpoint} is a {stored.experiment!r} run; "
-            f"{config.experiment} starts from a {experiment.init_from!r} one"
+            f"{config.experiment} starts from a {source_group!r} one"
         )
     config_lib.check_same_shape(
-        _as_group(config, experiment.init_from), stored, f"config.init.checkpoint {directory}"
+        _as_group(config, source_group), stored, f"config.init.checkpoint {directory}"
     )
     with Checkpointer(directory) as checkpointer:
         if init.step not in checkpointer.all_steps():
@@ -255,7 +255,7 @@ def init_source(config) -> tuple[epath.Path, int] | None:
 
 def _as_group(config, group: str):
     """`config` as the `group` run it starts from: that experiment, its draft settings only."""
-    names = {f.name for f in dataclasses.fields(groups.get(group).config_class)}
+    names = {f.name for f in dataclasses.fields(groups.get(group).model.config_class)}
     data = config.to_dict()
     data["experiment"] = group
     data["draft"] = {k: v for k, v in data["draft"].items() if k in names}
@@ -268,7 +268,7 @@ def warm_start(config, target: TargetConfig, mesh: Mesh, params, source: tuple[e
     (`init_source`'s `(directory, step)`; every one of that run's parameters must be there with its
     shape, nothing else is read); the others keep their values."""
     directory, step = source
-    _, abstract, _ = abstract_draft(_as_group(config, groups.get(config.experiment).init_from), target)
+    _, abstract, _ = abstract_draft(_as_group(config, groups.get(config.experiment).model.init_from), target)
     abstract = sharding.with_shardings(abstract, mesh, config_lib.sharding_rules(config))
     with Checkpointer(directory) as checkpointer:
         restored = checkpointer.restore_params(step, abstract)

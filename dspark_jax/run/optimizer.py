@@ -110,7 +110,7 @@ def make_training_optimizer(
     `params` get no update; the parameters `copied` marks (those that start from the target's,
     `draft_state.copied_mask`) learn at `train.copied_lr_scale` x the schedule's rate."""
     t = config.train
-    trainable = groups.get(config.experiment).trainable
+    trainable = groups.get(config.experiment).model.trainable
     schedule = make_schedule(t.peak_lr, t.total_steps, t.warmup_fraction)
     return schedule, make_optimizer(
         schedule,

@@ -234,10 +234,10 @@ def with_draft_vocab(side: TargetSide, ids_K: np.ndarray, mesh: Mesh) -> TargetS
 
 
 def with_side_inputs(config, side: TargetSide, load_target: Callable[[], Target] | None = None) -> TargetSide:
-    """`side` with the side inputs of the config's group on device (`Experiment.side_inputs`, made for this
-    target; `load_target()` loads the full target where one must be built, None where nothing may be); the
-    same `side` for a group without any."""
-    make = groups.get(config.experiment).side_inputs
+    """`side` with the side inputs of the config's group on device (`Experiment.run.side_inputs`, made for
+    this target; `load_target()` loads the full target where one must be built, None where nothing may be);
+    the same `side` for a group without any."""
+    make = groups.get(config.experiment).run.side_inputs
     if make is None:
         return side
     inputs = make(

@@ -48,7 +48,7 @@ class Row:
     @property
     def own_blocks_are_uniform(self) -> bool:
         """Its own blocks are the batch's anchors (False for a group that picks its own prefixes)."""
-        return registry.get(self.group.module).prefixes is None
+        return registry.get(self.group.module).model.prefixes is None
 
 
 def load_rows(data: epath.Path, suite_groups: Sequence[plan.Group], names: Sequence[str]) -> list[Row]:
@@ -319,12 +319,12 @@ def _verdict(g: Gain) -> str:
 def design_table(
     suite_groups: Sequence[plan.Group], found: Sequence[Gain], params: Mapping[str, dict]
 ) -> list[str]:
-    """The seed's group table, each row's cells from the registry (`Experiment.design`), plus the answer its
-    gains give at this budget."""
+    """The seed's group table, each row's cells from the registry (`Experiment.report.design`), plus the
+    answer its gains give at this budget."""
     head = ["group", "initialisation", "updates", "adds", "question", "answer at this budget"]
     body = []
     for group in suite_groups:
-        design = registry.get(group.module).design
+        design = registry.get(group.module).report.design
         if group.continues or group.seed_offset or design is None:
             continue
         added = params.get(group.name, {}).get("added")

@@ -214,7 +214,7 @@ def speculate(
             "draft_vocab_size": decoder.draft_vocab_size,
             **{
                 option.flag: config_lib.get_key(config, option.key)
-                for option in groups.get(config.experiment).decode_options
+                for option in groups.get(config.experiment).run.decode_options
             },
             "confidence_temperatures": decoder.settings(s.max_new_tokens, s.sampling).confidence_temperatures,
             "conversations": len(conversations),

@@ -1,9 +1,9 @@
 """What a suite runs: its groups (config files, who starts from whom) and the inference protocol per preset.
 
-A suite's groups come from the registry (`Experiment.suites`, in registration order): the `seed` suite is
-the seed's seven groups at one step budget on one shared cache. Every group trains the protocol's `budget`
+A suite's groups come from the registry (`Experiment.report.suites`, in registration order): the `seed` suite
+is the seed's seven groups at one step budget on one shared cache. Every group trains the protocol's `budget`
 steps (`train.stop_step`, of the preset's full `train.total_steps` schedule); a group that starts from
-another's checkpoint (`Experiment.init_from`) trains that many new steps on top of that group's final
+another's checkpoint (`Experiment.model.init_from`) trains that many new steps on top of that group's final
 checkpoint (its metrics are on the cumulative step axis). For each such pair the suite adds a same-budget
 row: the source group's own run continued, from its final checkpoint and on its schedule, to the cumulative
 step of the group that starts from it (the seed's "gain over a separately trained baseline at the same
@@ -71,8 +71,8 @@ def suites() -> dict[str, tuple[Group, ...]]:
     row per group that starts from another}`."""
     out: dict[str, list[Group]] = {}
     for e in registry.registered():
-        for suite in e.suites:
-            out.setdefault(suite, []).append(Group(e.name, e.display_name, e.name, e.init_from))
+        for suite in e.report.suites:
+            out.setdefault(suite, []).append(Group(e.name, e.display_name, e.name, e.model.init_from))
     for members in out.values():
         labels = {g.name: g.label for g in members}
         for g in [g for g in members if g.starts_from in labels]:

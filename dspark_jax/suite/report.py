@@ -130,38 +130,38 @@ def _row_label(name: str, picked: set[str]) -> str:
 
 
 def _notes(groups: list[_Group]) -> str:
-    """The groups' notes on reading their figures (`Experiment.report_note`), one sentence each."""
+    """The groups' notes on reading their figures (`Experiment.report.report_note`), one sentence each."""
     found = (registry.find(g.name) for g in groups)
-    return "".join(f" {e.report_note}" for e in found if e and e.report_note)
+    return "".join(f" {e.report.report_note}" for e in found if e and e.report.report_note)
 
 
 def _starts(groups: list[_Group]) -> str:
-    """Which groups start from another's final checkpoint (`Experiment.init_from`)."""
-    found = [e for e in (registry.find(g.name) for g in groups) if e and e.init_from]
+    """Which groups start from another's final checkpoint (`Experiment.model.init_from`)."""
+    found = [e for e in (registry.find(g.name) for g in groups) if e and e.model.init_from]
     return "".join(
-        f"; {e.display_name} starts from {_label(e.init_from)}'s final checkpoint and trains as many new"
-        " steps (its steps are cumulative)"
+        f"; {e.display_name} starts from {_label(e.model.init_from)}'s final checkpoint and trains as many"
+        " new steps (its steps are cumulative)"
         for e in found
     )
 
 
 def _group_columns(groups: list[_Group]) -> list[tuple[str, str]]:
-    """The groups' own metric columns (`Experiment.report_columns`), each once, in group order."""
+    """The groups' own metric columns (`Experiment.report.report_columns`), each once, in group order."""
     columns = {}
     for g in groups:
         experiment = registry.find(g.name)
-        for key, title in experiment.report_columns if experiment else ():
+        for key, title in experiment.report.report_columns if experiment else ():
             columns.setdefault(key, title)
     return list(columns.items())
 
 
 def _ablations(groups: list[_Group]) -> list[str]:
-    """The ablations some row was evaluated without (`Experiment.evaluation_ablations`), each once: the
+    """The ablations some row was evaluated without (`Experiment.report.evaluation_ablations`), each once: the
     target context first."""
     names = {}
     for g in groups:
         experiment = registry.find(g.name)
-        for ablation in experiment.evaluation_ablations if experiment else ():
+        for ablation in experiment.report.evaluation_ablations if experiment else ():
             names.setdefault(ablation.name, None)
     return list(names)
 
@@ -373,10 +373,10 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
     _LABELS.update({g.name: g.label for g in suite_groups})
     found = comparisons.entries(comparisons.load_rows(data, suite_groups, record["groups"]))
     gained = comparisons.gains(found, suite_groups)
-    picker = next((e for e in map(registry.find, record["groups"]) if e and e.prefixes), None)
+    picker = next((e for e in map(registry.find, record["groups"]) if e and e.model.prefixes), None)
     same_note = "none here."
     if picker:
-        same_note = f"{picker.display_name}'s final checkpoint picks them. {picker.prefixes_note}"
+        same_note = f"{picker.display_name}'s final checkpoint picks them. {picker.model.prefixes_note}"
     picked = {r.group.name for e in found for r in e.runs if not r.own_blocks_are_uniform}
     _plots(out, groups, picked)
     _tensorboard(root, groups)
@@ -393,7 +393,7 @@ def write_report(root: str | epath.Path, out: str | epath.Path) -> epath.Path:
         "",
         "## The seed's groups",
         "",
-        "Each group's row of the seed's group table (from the registry, `Experiment.design`) and the"
+        "Each group's row of the seed's group table (from the registry, `Experiment.report.design`) and the"
         " answer its paired gains below give at this budget:",
         "",
         *comparisons.design_table(suite_groups, gained, params),

@@ -8,7 +8,7 @@ Layout of the suite's work directory (`root`):
                               tensorboard/, calibration/step_N/sts.json, inference/ for TensorBoard)
   <group>/evaluation/step_N.json, .npz
                               the final checkpoint's offline metrics on its own blocks and on the prefixes
-                              the suite's prefix-picking group picks (`Experiment.prefixes`), and per
+                              the suite's prefix-picking group picks (`Experiment.model.prefixes`), and per
                               validation sample the sums they are ratios of (the report's intervals)
   <group>/speculate/<s>.json  speculative decoding per temperature x schedule (`t0-fixed`, ...)
   target_only/<s>.json        target-only decoding per setting, shared by every group
@@ -234,7 +234,9 @@ class SuiteRun:
     def _picker(self) -> plan.Group | None:
         """The suite's row whose group picks its own prefixes (Draft Memory), if there is one."""
         pickers = [
-            g for g in self.groups if not (g.continues or g.seed_offset) and registry.get(g.module).prefixes
+            g
+            for g in self.groups
+            if not (g.continues or g.seed_offset) and registry.get(g.module).model.prefixes
         ]
         if len(pickers) > 1:
             names = [g.name for g in pickers]
@@ -257,7 +259,7 @@ class SuiteRun:
         if record is None:
             log.info("suite: evaluating %s on its own blocks", group.name)
             metrics, samples, ablated = measure_checkpoint(v)
-            pretrained = config.init.step if registry.get(config.experiment).init_from else 0
+            pretrained = config.init.step if registry.get(config.experiment).model.init_from else 0
             record = {"step": pretrained + v.step, "samples": v.samples, "own": metrics}  # cumulative
             arrays = {f"own/{k}": x for k, x in samples._asdict().items()}
             for name, sums in ablated.items():  # the same blocks without one input: `without_<name>/`

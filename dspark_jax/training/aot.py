@@ -111,7 +111,7 @@ def _frozen(config, target: TargetConfig, mesh, rules) -> FrozenTarget:
     place = lambda shape, axes: jax.ShapeDtypeStruct(
         shape, dtype, sharding=NamedSharding(mesh, sharding.logical_to_spec(axes, shape, mesh, rules))
     )
-    synthetic = groups.get(config.experiment).synthetic_side_inputs
+    synthetic = groups.get(config.experiment).run.synthetic_side_inputs
     inputs = (
         None
         if synthetic is None

@@ -3,7 +3,7 @@
 Besides the summed metrics, an evaluation keeps per validation sample the sums its tau_prob and accept
 rates are ratios of (`intervals.SampleSums`: the unit an interval resamples; every evaluation logs
 tau_prob's 95% interval), and can measure a draft on the prefixes another group picks
-(`Experiment.prefixes`, e.g. Draft Memory's stage-2 anchors), so that groups are compared on the same
+(`Experiment.model.prefixes`, e.g. Draft Memory's stage-2 anchors), so that groups are compared on the same
 prefixes.
 """
 
@@ -87,7 +87,7 @@ class _Collected:
             raise ValueError(
                 "the validation cache yields no batch; it needs at least one micro-batch of samples"
             )
-        metrics = {k: float(x) for k, x in jax.device_get(experiment.metrics(self.total)).items()}
+        metrics = {k: float(x) for k, x in jax.device_get(experiment.model.metrics(self.total)).items()}
         joined = {k: np.concatenate([r[k] for r in self.records]) for k in ("figure_overlap", "eval_mask")}
         return metrics, intervals.sample_sums(joined, np.concatenate(self.keys))
 
@@ -99,7 +99,7 @@ def ablation_metrics(
     the same samples and blocks) with its interval `<name>_gain_low95` / `_high95` (none for an evaluation
     without ablations)."""
     out = {}
-    for ablation in experiment.evaluation_ablations:
+    for ablation in experiment.report.evaluation_ablations:
         if ablation.name not in ablated:
             continue
         metrics, without = ablated[ablation.name]
@@ -220,7 +220,7 @@ def evaluate_checkpoint(config, checkpoint: str | os.PathLike) -> dict[str, floa
 
 
 class Prefixes(NamedTuple):
-    """A trained draft of a group that picks its own prefixes (`Experiment.prefixes`): the source of the
+    """A trained draft of a group that picks its own prefixes (`Experiment.model.prefixes`): the source of the
     blocks other drafts are measured on, picked per validation batch."""
 
     experiment: Experiment
@@ -240,15 +240,15 @@ def open_prefixes(v: Validation, config, checkpoint: str | os.PathLike) -> Prefi
     one-line error: its group picks no prefixes or reads side inputs, `v`'s group picks other prefixes, or
     the two configs would give other validation batches."""
     experiment = groups.get(config.experiment)
-    if experiment.prefixes is None:
-        pickers = [e.name for e in groups.registered() if e.prefixes is not None]
+    if experiment.model.prefixes is None:
+        pickers = [e.name for e in groups.registered() if e.model.prefixes is not None]
         raise config_lib.UsageError(
             f"{checkpoint} is a {config.experiment!r} run, a group without prefixes of its own; give a "
             f"checkpoint of one of {pickers}"
         )
-    if experiment.side_inputs is not None:
+    if experiment.run.side_inputs is not None:
         raise config_lib.UsageError(f"group {config.experiment!r} reads side inputs: it cannot pick prefixes")
-    if v.experiment.prefixes is not None and v.experiment.name != experiment.name:
+    if v.experiment.model.prefixes is not None and v.experiment.name != experiment.name:
         raise config_lib.UsageError(
             f"group {v.experiment.name!r} picks its own prefixes; it cannot be measured on "
             f"{experiment.name!r}'s"
@@ -273,12 +273,12 @@ def evaluation_with_records(
     (`objective.recording_blocks`) of `model` on the batch's anchors, or on the prefixes that
     `prefixes = (group, its draft)` picks (a group that picks its own is measured as it is: `open_prefixes`
     checked that they are that group's)."""
-    if prefixes is not None and experiment.prefixes is None:
+    if prefixes is not None and experiment.model.prefixes is None:
         picker_group, picker = prefixes
-        anchors_BxN, keep_BxN = picker_group.prefixes(picker, frozen, batch)
+        anchors_BxN, keep_BxN = picker_group.model.prefixes(picker, frozen, batch)
         batch = {**batch, "anchors": anchors_BxN, "block_keep": keep_BxN}
     with objective.recording_blocks() as recorded:
-        sums = experiment.evaluation_sums(model, frozen, batch)
+        sums = experiment.model.evaluation_sums(model, frozen, batch)
     if len(recorded) != 1:
         raise ValueError(
             f"experiment {experiment.name!r}: its evaluation computes the objective {len(recorded)} "
@@ -293,10 +293,10 @@ AS_TRAINED = ""
 
 def measured_variants(experiment: Experiment, model, frozen, batch, prefixes=None, ablate=True) -> dict:
     """`{AS_TRAINED: (sums, records)}` of `evaluation_with_records` (the same arguments), and with `ablate`
-    the same for each of the experiment's `evaluation_ablations` by name (the same blocks, one input
+    the same for each of the experiment's `report.evaluation_ablations` by name (the same blocks, one input
     removed)."""
     out = {AS_TRAINED: evaluation_with_records(experiment, model, frozen, batch, prefixes)}
-    for ablation in experiment.evaluation_ablations if ablate else ():
+    for ablation in experiment.report.evaluation_ablations if ablate else ():
         ablated = {**batch, ablation.flag: True}
         out[ablation.name] = evaluation_with_records(experiment, model, frozen, ablated, prefixes)
     return out

@@ -178,7 +178,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
         functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=experiment),
         donate_argnums=(0, 1),
     )
-    train_metrics = jax.jit(experiment.metrics)
+    train_metrics = jax.jit(experiment.model.metrics)
     count = jax.jit(batch_counts)
     # The ablations (tau_prob without the context, ...) cost a forward each: measured at the run's last
     # evaluation, or at every one with `train.ablate_every_eval`.
@@ -291,7 +291,7 @@ def train(config, workdir: str | os.PathLike, allow_changed: Sequence[str] = ())
                     metrics["accept_rate_0"],
                     "".join(
                         f", without {a.name} {metrics[f'tau_prob_without_{a.name}']:.4f}"
-                        for a in experiment.evaluation_ablations
+                        for a in experiment.report.evaluation_ablations
                         if f"tau_prob_without_{a.name}" in metrics
                     ),
                 )

@@ -13,7 +13,7 @@ globally summed denominator once, at the end. Because denominators are treated a
 gradient of the globally normalised loss (docs/design.md section 1) whatever the number of devices or
 micro-batches, and denominators computed inside the step never go through the host.
 
-A group with frozen parameters (`Experiment.trainable`) is differentiated only with respect to its
+A group with frozen parameters (`Experiment.model.trainable`) is differentiated only with respect to its
 trainable ones: the frozen ones are closed over as constants, so no backward pass runs through them
 (e.g. a frozen backbone under a new head), and the gradients and their accumulator hold only the trainable
 leaves (None in place of the frozen ones, the parameters' own tree otherwise). The optimizer
@@ -44,9 +44,8 @@ Features = Callable[[FrozenTarget, Batch], Batch]
 def split_trainable(params: nnx.State, experiment: Experiment) -> tuple[nnx.State, nnx.State]:
     """`(trainable, frozen)`: `params` with None in place of its frozen leaves, and with None in place of
     its trainable ones (by the experiment's mask: all trainable without one). `join` undoes it."""
-    mask = (
-        jax.tree.map(lambda _: True, params) if experiment.trainable is None else experiment.trainable(params)
-    )
+    trainable = experiment.model.trainable
+    mask = jax.tree.map(lambda _: True, params) if trainable is None else trainable(params)
     return (
         jax.tree.map(lambda trained, x: x if trained else None, mask, params),
         jax.tree.map(lambda trained, x: None if trained else x, mask, params),
@@ -76,8 +75,8 @@ def micro_step(
     trainable, frozen_params = split_trainable(params, experiment)
 
     def numerators(p):
-        sums = experiment.train_sums(nnx.merge(graphdef, join(p, frozen_params), rest), frozen, batch)
-        return objective.loss_numerators(sums, experiment.loss_terms), sums
+        sums = experiment.model.train_sums(nnx.merge(graphdef, join(p, frozen_params), rest), frozen, batch)
+        return objective.loss_numerators(sums, experiment.model.loss_terms), sums
 
     group_numerators, pullback, sums = jax.vjp(numerators, trainable, has_aux=True)
     groups = group_numerators.shape[0]
@@ -95,7 +94,7 @@ def normalised_grads(
     group_grads: tuple[nnx.State, ...], sums: Mapping[str, jax.Array], experiment: Experiment
 ):
     """The gradient of the globally normalised loss: each group's gradient over its global denominator."""
-    group_denominators = objective.loss_denominators(sums, experiment.loss_terms)
+    group_denominators = objective.loss_denominators(sums, experiment.model.loss_terms)
     scaled = [
         jax.tree.map(lambda g, d=group_denominators[i]: objective.normalise(g, d.astype(g.dtype)), grads)
         for i, grads in enumerate(group_grads)

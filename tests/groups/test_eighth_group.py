@@ -1,7 +1,7 @@
 """An eighth group, added by this file alone: a draft that reads one extra side input and logs one extra
 metric trains, evaluates and decodes losslessly through the registry. Nothing outside this file names it:
 the target side, the training step, the evaluation, the AOT check and the decoder get its side input
-through `Experiment.side_inputs` and its metric through `Experiment.metrics`."""
+through `Experiment.run.side_inputs` and its metric through `Experiment.model.metrics`."""
 
 import jax
 import jax.numpy as jnp
@@ -63,11 +63,8 @@ def prior_metrics(sums):
 EIGHTH = groups.register(
     groups.Experiment(
         name="toy_prior",
-        build_draft=PriorDraft,
-        train_sums=prior_sums,
-        metrics=prior_metrics,
-        side_inputs=side_inputs,
-        synthetic_side_inputs=synthetic_side_inputs,
+        model=groups.Model(build_draft=PriorDraft, train_sums=prior_sums, metrics=prior_metrics),
+        run=groups.Run(side_inputs=side_inputs, synthetic_side_inputs=synthetic_side_inputs),
     )
 )
 

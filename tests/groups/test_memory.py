@@ -197,7 +197,7 @@ def test_stage2_visibility_on_the_seed_example():
 
 
 def _loss(sums):
-    return objective.loss_from_sums(sums, memory.MEMORY.loss_terms)
+    return objective.loss_from_sums(sums, memory.MEMORY.model.loss_terms)
 
 
 @pytest.mark.slow

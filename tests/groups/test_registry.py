@@ -38,9 +38,11 @@ def biased_sums(model, frozen, batch):
 TOY = groups.register(
     groups.Experiment(
         name="toy_biased",
-        build_draft=BiasedDraft,
-        train_sums=biased_sums,
-        metrics=lambda sums: objective.metrics_from_sums(sums) | {"bias_sq": sums["bias_sq"]},
+        model=groups.Model(
+            build_draft=BiasedDraft,
+            train_sums=biased_sums,
+            metrics=lambda sums: objective.metrics_from_sums(sums) | {"bias_sq": sums["bias_sq"]},
+        ),
     )
 )
 

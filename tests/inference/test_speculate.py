@@ -119,7 +119,7 @@ def _engram_parts(parts, mesh, group, cfg=DRAFT):
     )
     rows = np.random.default_rng(0).normal(size=(spec.num_rows, spec.head_dim))
     cfg = EngramDraftConfig(**cfg.__dict__, engram_dim=spec.dim, engram_order=3)
-    draft = groups.get(group).build_draft(cfg, rngs=nnx.Rngs(1))
+    draft = groups.get(group).model.build_draft(cfg, rngs=nnx.Rngs(1))
     for name in ("engram_v", "engram_proj"):
         if hasattr(draft, name):
             layer = getattr(draft, name)
@@ -148,9 +148,9 @@ def _group(parts, mesh, group, cfg=DRAFT, candidates=16):
     if group.startswith("memory_"):
         return parts, _memory_draft(mesh, group.removeprefix("memory_"), cfg), MEMORY_PROPOSER
     if group in ENGRAM_GROUPS:
-        return _engram_parts(parts, mesh, group, cfg), None, groups.get(group).proposer
+        return _engram_parts(parts, mesh, group, cfg), None, groups.get(group).model.proposer
     if group == "reranker_joint":
-        return parts, _reranker_draft(mesh, cfg=cfg, candidates=candidates), groups.get(group).proposer
+        return parts, _reranker_draft(mesh, cfg=cfg, candidates=candidates), groups.get(group).model.proposer
     return parts, None, engine.DSPARK_PROPOSER
 
 
@@ -312,7 +312,7 @@ def test_reranked_proposals_at_initialisation_are_dspark_s(parts, mesh1):
     """`W_o = 0`: the engine's reranked greedy block equals the plain Markov block; trained, it differs."""
     target, _, frozen = parts
     settings = engine.SpecSettings(8, SamplingParams(), (EOS,), AUX)
-    proposer = groups.get("reranker_joint").proposer
+    proposer = groups.get("reranker_joint").model.proposer
     blocks = {}
     for trained in (False, True):
         draft = _reranker_draft(mesh1, trained)

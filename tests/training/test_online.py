@@ -73,7 +73,7 @@ def _step(config, side, params, rest, batch, mesh):
     _, _, grad_norm = step_lib.apply_step(
         params, opt_state, grads, sums, optimizer=optimizer, experiment=experiment
     )
-    metrics = jax.device_get(experiment.metrics(sums))
+    metrics = jax.device_get(experiment.model.metrics(sums))
     return {k: float(v) for k, v in metrics.items()} | {"grad_norm": float(grad_norm)}
 
 

@@ -75,7 +75,7 @@ def test_a_rerankers_sample_sums_count_its_own_reranked_tau():
     (which differ once the reranker's weights are random)."""
     model, _, frozen, batch, *_ = _reranker_setup(5, k=8)
     sums, records = evaluation_with_records(groups.get("reranker_joint"), model, frozen, batch)
-    metrics = groups.get("reranker_joint").metrics(sums)
+    metrics = groups.get("reranker_joint").model.metrics(sums)
     anchors = np.asarray(batch["anchors"])
     starts = anchors - np.take_along_axis(np.asarray(batch["positions"]), anchors, axis=1)
     keys = np.stack([np.zeros_like(anchors), np.broadcast_to([[0], [1]], anchors.shape), starts], -1)

@@ -101,7 +101,9 @@ def test_micro_batches_equal_the_whole_batch_and_the_gradient_of_the_normalised_
     # Independent check: jax.grad of the globally normalised loss of the whole batch.
     graphdef, params, rest, frozen = _setup(mesh1)
     direct = jax.grad(
-        lambda p: objective.loss_from_sums(BASELINE.train_sums(nnx.merge(graphdef, p, rest), frozen, batch))
+        lambda p: objective.loss_from_sums(
+            BASELINE.model.train_sums(nnx.merge(graphdef, p, rest), frozen, batch)
+        )
     )(params)
     _assert_grads_close(jax.device_get(direct), whole, rtol=1e-4)
 
@@ -113,8 +115,8 @@ def _full_gradient_micro_step(params, rest, frozen, batch, *, graphdef):
     """The reference: the frozen group's micro-step differentiating every parameter, frozen ones included."""
 
     def numerators(p):
-        sums = FROZEN_GROUP.train_sums(nnx.merge(graphdef, p, rest), frozen, batch)
-        return objective.loss_numerators(sums, FROZEN_GROUP.loss_terms), sums
+        sums = FROZEN_GROUP.model.train_sums(nnx.merge(graphdef, p, rest), frozen, batch)
+        return objective.loss_numerators(sums, FROZEN_GROUP.model.loss_terms), sums
 
     group_numerators, pullback, sums = jax.vjp(numerators, params, has_aux=True)
     groups = group_numerators.shape[0]
@@ -155,7 +157,7 @@ def test_frozen_group_differentiates_only_the_reranker_with_the_full_gradient_re
         **dataclasses.asdict(CFG), rerank_candidates=8, rerank_width=16, rerank_heads=4, rerank_ffn=32
     )
     graphdef, params, rest, frozen = _setup(mesh1, RerankerDraft(cfg, rngs=nnx.Rngs(0)))
-    optimizer = make_optimizer(1e-2, trainable_mask=FROZEN_GROUP.trainable(params))
+    optimizer = make_optimizer(1e-2, trainable_mask=FROZEN_GROUP.model.trainable(params))
     batch = _batch()
     micro_batches = [
         to_global({k: v[i * 4 : (i + 1) * 4] for k, v in batch.items()}, mesh1) for i in range(2)
@@ -165,7 +167,7 @@ def test_frozen_group_differentiates_only_the_reranker_with_the_full_gradient_re
     update = jax.jit(functools.partial(step_lib.apply_step, optimizer=optimizer, experiment=FROZEN_GROUP))
     full_micro = jax.jit(functools.partial(_full_gradient_micro_step, graphdef=graphdef))
     full_update = jax.jit(functools.partial(_full_gradient_update, optimizer=optimizer))
-    metrics = jax.jit(FROZEN_GROUP.metrics)
+    metrics = jax.jit(FROZEN_GROUP.model.metrics)
 
     new = full = (params, optimizer.init(params))
     reranker_leaves = jax.tree.leaves(params["reranker"])

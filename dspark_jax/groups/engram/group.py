@@ -22,7 +22,7 @@ from dspark_jax.groups.baseline import block_states, objective_sums
 from dspark_jax.groups.engram import model as engram_lib
 from dspark_jax.groups.engram import prepare
 from dspark_jax.groups.engram.table import EngramTable
-from dspark_jax.groups.registry import Batch, Design, Experiment, register
+from dspark_jax.groups.registry import Batch, Design, Experiment, Model, Report, Run, register
 from dspark_jax.inference import engine
 
 FEATURES = "engram"  # the predecessors' features among the objective's per-block inputs
@@ -179,21 +179,23 @@ def _register(
     return register(
         Experiment(
             name=name,
-            label=label,
-            design=design,
-            suites=("seed",),
-            build_draft=build,
-            train_sums=sums,
-            proposer=proposer,
-            config_class=engram_lib.EngramDraftConfig,
-            shape_keys=("draft.engram_dim", "draft.engram_order", "engram"),
-            path_keys=(("engram", "table_path"),),
-            source_keys=(("engram", "fit_source"),),
-            sharding_rules=(("engram", None),),
-            check_config=prepare.check_config,
-            side_inputs=side_inputs,
-            synthetic_side_inputs=synthetic_side_inputs,
-            serving_gap=_HASHING + serving_gap,
+            model=Model(
+                build_draft=build,
+                train_sums=sums,
+                proposer=proposer,
+                config_class=engram_lib.EngramDraftConfig,
+            ),
+            run=Run(
+                shape_keys=("draft.engram_dim", "draft.engram_order", "engram"),
+                path_keys=(("engram", "table_path"),),
+                source_keys=(("engram", "fit_source"),),
+                sharding_rules=(("engram", None),),
+                check_config=prepare.check_config,
+                side_inputs=side_inputs,
+                synthetic_side_inputs=synthetic_side_inputs,
+                serving_gap=_HASHING + serving_gap,
+            ),
+            report=Report(label=label, design=design, suites=("seed",)),
         )
     )
 

@@ -32,6 +32,9 @@ from dspark_jax.groups.registry import (
     DecodeOption,
     Design,
     Experiment,
+    Model,
+    Report,
+    Run,
     register,
 )
 from dspark_jax.inference import engine
@@ -176,39 +179,46 @@ MEMORY_PROPOSER = engine.Proposer(_draft_pass, _select, _init_carry, _next_carry
 MEMORY = register(
     Experiment(
         name="memory",
-        label="Draft Memory",
-        design=Design(
-            initialisation="from scratch",
-            updates="the draft and the memory adapter, by the loss of stage 2 (stage 1: stop-gradient)",
-            adds="a memory adapter M = RMSNorm(P h) over the last round's draft states past its first error",
-            question="what the previous round's draft states do for the continuation at the new anchor",
+        model=Model(
+            build_draft=memory_lib.MemoryDraft,
+            train_sums=memory_sums,
+            metrics=memory_metrics,
+            proposer=MEMORY_PROPOSER,
+            config_class=memory_lib.MemoryDraftConfig,
+            prefixes=stage2_prefixes,
+            prefixes_note="They are its stage-2 anchors a' = a + m + 1, after its stage-1 draft's first "
+            "error on a uniformly drawn anchor a: the only blocks on which it has a memory (as in decoding). "
+            "Its own figure is measured there, so every other row is too: the same-prefix columns ask what "
+            "the memory adds where it exists, on equal blocks.",
         ),
-        suites=("seed",),
-        report_note="Draft Memory's own tau_prob is measured on its stage-2 anchors.",
-        prefixes=stage2_prefixes,
-        ablations=(Ablation("memory", HIDE_MEMORY),),
-        prefixes_note="They are its stage-2 anchors a' = a + m + 1, after its stage-1 draft's first error "
-        "on a uniformly drawn anchor a: the only blocks on which it has a memory (as in decoding). "
-        "Its own figure is measured there, so every other row is too: the same-prefix columns ask what the "
-        "memory adds where it exists, on equal blocks.",
-        build_draft=memory_lib.MemoryDraft,
-        train_sums=memory_sums,
-        metrics=memory_metrics,
-        proposer=MEMORY_PROPOSER,
-        config_class=memory_lib.MemoryDraftConfig,
-        resumable_keys=("draft.memory_source",),
-        serving_gap="the last cycle's draft states past its first rejected slot kept per request and read "
-        "through the memory adapter as extra context of the next block (the engines' draft reads the "
-        "target's hidden states and its own block only)",
-        decode_options=(
-            DecodeOption(
-                "memory_source",
-                "draft.memory_source",
-                memory_lib.MEMORY_SOURCES,
-                "Draft Memory checkpoints: where the next round's memory comes from: 'with_memory' (this "
-                "round's states), 'no_memory' (one extra memory-free draft pass per round, as in training) "
-                "or 'disabled' (no memory); default: config.draft.memory_source.",
+        run=Run(
+            resumable_keys=("draft.memory_source",),
+            serving_gap="the last cycle's draft states past its first rejected slot kept per request and "
+            "read through the memory adapter as extra context of the next block (the engines' draft reads "
+            "the target's hidden states and its own block only)",
+            decode_options=(
+                DecodeOption(
+                    "memory_source",
+                    "draft.memory_source",
+                    memory_lib.MEMORY_SOURCES,
+                    "Draft Memory checkpoints: where the next round's memory comes from: 'with_memory' (this "
+                    "round's states), 'no_memory' (one extra memory-free draft pass per round, as in "
+                    "training) or 'disabled' (no memory); default: config.draft.memory_source.",
+                ),
             ),
+        ),
+        report=Report(
+            label="Draft Memory",
+            design=Design(
+                initialisation="from scratch",
+                updates="the draft and the memory adapter, by the loss of stage 2 (stage 1: stop-gradient)",
+                adds="a memory adapter M = RMSNorm(P h) over the last round's draft states past its first "
+                "error",
+                question="what the previous round's draft states do for the continuation at the new anchor",
+            ),
+            suites=("seed",),
+            report_note="Draft Memory's own tau_prob is measured on its stage-2 anchors.",
+            ablations=(Ablation("memory", HIDE_MEMORY),),
         ),
     )
 )

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from dspark_jax.draft import objective
 from dspark_jax.draft.model import FrozenTarget, vocab_columns
 from dspark_jax.groups.baseline import block_states, objective_sums
-from dspark_jax.groups.registry import Batch, Design, Experiment, register
+from dspark_jax.groups.registry import Batch, Design, Experiment, Model, Report, Run, register
 from dspark_jax.groups.reranker import model as reranker_lib
 from dspark_jax.inference import engine
 
@@ -155,25 +155,30 @@ REPORT_COLUMNS = (
 )
 
 
-def _register(name: str, label: str, **kwargs) -> Experiment:
+RERANKER_RUN = Run(
+    shape_keys=("draft.rerank_width", "draft.rerank_heads", "draft.rerank_ffn"),
+    sharding_rules=(("rerank", None),),
+    serving_gap="a reranking pass over each slot's top-k candidates conditioned on the drafted prefix, after "
+    "the Markov correction (the engines choose each slot's token from the Markov-corrected logits alone)",
+)
+
+
+def _register(name: str, label: str, design: Design, **model) -> Experiment:
+    """A reranker group; `model` adds to its `Model` (a frozen part, a warm start)."""
     return register(
         Experiment(
             name=name,
-            label=label,
-            suites=("seed",),
-            report_columns=REPORT_COLUMNS,
-            build_draft=reranker_lib.RerankerDraft,
-            train_sums=reranker_sums,
-            loss_terms=RERANK_LOSS,
-            metrics=reranker_metrics,
-            proposer=RERANKER_PROPOSER,
-            config_class=reranker_lib.RerankerDraftConfig,
-            shape_keys=("draft.rerank_width", "draft.rerank_heads", "draft.rerank_ffn"),
-            sharding_rules=(("rerank", None),),
-            serving_gap="a reranking pass over each slot's top-k candidates conditioned on the drafted "
-            "prefix, after the Markov correction (the engines choose each slot's token from the "
-            "Markov-corrected logits alone)",
-            **kwargs,
+            model=Model(
+                build_draft=reranker_lib.RerankerDraft,
+                train_sums=reranker_sums,
+                loss_terms=RERANK_LOSS,
+                metrics=reranker_metrics,
+                proposer=RERANKER_PROPOSER,
+                config_class=reranker_lib.RerankerDraftConfig,
+                **model,
+            ),
+            run=RERANKER_RUN,
+            report=Report(label=label, design=design, suites=("seed",), report_columns=REPORT_COLUMNS),
         )
     )
 
